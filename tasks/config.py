@@ -1,0 +1,208 @@
+"""The one strict pipeline configuration: every knob has a unit in its name and a bound, unknown keys fail.
+
+Secrets are `SecretStr` and are only ever unwrapped at the HTTP boundary (`EndpointConfig.resolved_api_key`);
+`PipelineConfig.provenance()` and `public_dump()` are the only views that leave the process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from tasks.errors import ConfigError
+
+DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class DatasetConfig(StrictModel):
+    name: str
+    path: Path
+    file_format: Literal["auto", "jsonl", "parquet"] = "auto"
+    shape: Literal["auto", "messages", "sharegpt"] = "auto"
+    max_samples: int | None = Field(default=None, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not DATASET_NAME.match(v):
+            raise ValueError(f"dataset name {v!r} must match {DATASET_NAME.pattern}")
+        return v
+
+
+class SamplingConfig(StrictModel):
+    temperature: float = Field(default=0.6, ge=0.0, le=2.0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=4096, ge=1, le=1_048_576)
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+class EndpointConfig(StrictModel):
+    kind: Literal["openai_chat", "sglang_generate"] = "openai_chat"
+    base_url: str = "http://127.0.0.1:30000"
+    model: str
+    api_key: SecretStr | None = None
+    api_key_env: str | None = Field(default=None, description="Environment variable holding the API key.")
+    max_in_flight: int = Field(default=2000, ge=1, le=100_000)
+    request_timeout_s: float = Field(default=900.0, gt=0)
+    connect_timeout_s: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=6, ge=1, le=100)
+    backoff_base_s: float = Field(default=1.0, ge=0)
+    backoff_max_s: float = Field(default=60.0, ge=0)
+    keep_length_truncated: bool = Field(
+        default=False, description="Keep samples that ended with finish_reason=length (else: failed)."
+    )
+    provider_routing: dict[str, Any] | None = Field(
+        default=None, description="OpenRouter `provider` object (order, only, quantizations, ...)."
+    )
+    reasoning: dict[str, Any] | None = Field(
+        default=None, description="OpenRouter `reasoning` object (effort, max_tokens, exclude)."
+    )
+    price_prompt_usd_per_mtok: float = Field(default=0.0, ge=0)
+    price_completion_usd_per_mtok: float = Field(default=0.0, ge=0)
+    commit_every_samples: int = Field(default=256, ge=1)
+    commit_every_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be http(s), got {v!r}")
+        return v.rstrip("/")
+
+    def resolved_api_key(self) -> str | None:
+        """The only place a key is unwrapped; callers put it straight into a request header."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_env:
+            value = os.environ.get(self.api_key_env)
+            if not value:
+                raise ConfigError(f"endpoint.api_key_env names {self.api_key_env!r}, which is unset or empty")
+            return value
+        return None
+
+
+class TokenizerConfig(StrictModel):
+    path: Path = Field(description="Local model directory (tokenizer files + chat template).")
+    revision: str | None = Field(default=None, description="Recorded in provenance; a hash is computed too.")
+    trust_remote_code: bool = False
+    completion_format: str = Field(default="auto", description="Preset name, or 'auto' to derive it.")
+
+
+class ReconstructConfig(StrictModel):
+    loss_on_reasoning: bool = True
+    loss_on_end_of_turn: bool = True
+
+
+class ValidationConfig(StrictModel):
+    billing_tolerance_frac: float = Field(default=0.02, ge=0)
+    max_real_difference_rate: float = Field(default=0.01, ge=0, le=1)
+    max_failed_rate: float = Field(default=1.0, ge=0, le=1)
+    allowed_finish_reasons: list[str] = Field(default_factory=lambda: ["stop"])
+
+
+class ExtractConfig(StrictModel):
+    enabled: bool = True
+    backend: Literal["hf", "sglang"] = "hf"
+    model_path: Path | None = Field(default=None, description="Defaults to tokenizer.path.")
+    layers: list[int] | None = Field(default=None, description="0-based decoder-layer outputs; default [1, N//2-1, N-4].")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "auto"
+    max_tokens_per_batch: int = Field(default=8192, ge=1)
+    max_shard_bytes: int = Field(default=2 * 1024**3, ge=1024)
+    skip_failed_validation: bool = True
+
+
+class PipelineConfig(StrictModel):
+    run_dir: Path
+    samples_per_shard: int = Field(default=1000, ge=1)
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    endpoint: EndpointConfig
+    sampling: SamplingConfig = SamplingConfig()
+    tokenizer: TokenizerConfig
+    reconstruct: ReconstructConfig = ReconstructConfig()
+    validation: ValidationConfig = ValidationConfig()
+    extract: ExtractConfig = ExtractConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> PipelineConfig:
+        names = [d.name for d in self.datasets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"dataset names must be unique, repeated: {dupes}")
+        if self.extract.layers is not None and len(self.extract.layers) != 3:
+            raise ValueError(f"extract.layers must name exactly 3 layers (low, mid, high), got {self.extract.layers}")
+        if self.endpoint.backoff_max_s < self.endpoint.backoff_base_s:
+            raise ValueError("endpoint.backoff_max_s must be >= endpoint.backoff_base_s")
+        return self
+
+    @property
+    def extract_model_path(self) -> Path:
+        return self.extract.model_path or self.tokenizer.path
+
+    def public_dump(self) -> dict[str, Any]:
+        """JSON-safe view with secrets masked, for artifacts and provenance."""
+        data = self.model_dump(mode="json")
+        if data["endpoint"].get("api_key") is not None:
+            data["endpoint"]["api_key"] = "**********"
+        return data
+
+    def provenance(self) -> dict[str, Any]:
+        return {
+            "model": self.endpoint.model,
+            "endpoint_kind": self.endpoint.kind,
+            "endpoint_base_url": self.endpoint.base_url,
+            "sampling": self.sampling.model_dump(mode="json"),
+            "tokenizer_path": str(self.tokenizer.path),
+            "tokenizer_revision": self.tokenizer.revision,
+        }
+
+
+def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative paths in a YAML file are relative to that file, so configs can travel with their data."""
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            return str((base / value).resolve())
+        return value
+
+    data = dict(data)
+    if "run_dir" in data:
+        data["run_dir"] = fix(data["run_dir"])
+    if isinstance(data.get("datasets"), list):
+        data["datasets"] = [{**d, "path": fix(d.get("path"))} if isinstance(d, dict) else d for d in data["datasets"]]
+    for section, key in (("tokenizer", "path"), ("extract", "model_path")):
+        if isinstance(data.get(section), dict) and data[section].get(key):
+            data[section] = {**data[section], key: fix(data[section][key])}
+    return data
+
+
+def load_config(path: Path | str, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a YAML mapping, got {type(raw).__name__}")
+    raw = _resolve_paths(raw, path.parent.resolve())
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    return PipelineConfig.model_validate(raw)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value

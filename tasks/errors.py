@@ -1,0 +1,47 @@
+"""Typed errors raised where data is produced; each names the sample (or file) and expected vs actual."""
+
+from __future__ import annotations
+
+
+class DatagenError(Exception):
+    """Base class: anything this package raises on purpose."""
+
+
+class ConfigError(DatagenError):
+    pass
+
+
+class SchemaMismatchError(DatagenError):
+    """A shard's schema or schema_version is not the one this code reads."""
+
+
+class SpecialTokenError(DatagenError):
+    """A special token of the completion format does not encode to exactly its own single id."""
+
+
+class ReconstructionError(DatagenError):
+    def __init__(self, sample_id: str, message: str) -> None:
+        super().__init__(f"sample {sample_id}: {message}")
+        self.sample_id = sample_id
+
+
+class CaptureMismatchError(DatagenError):
+    """Hidden states do not match the token sequence they claim to describe."""
+
+    def __init__(self, sample_id: str, what: str, expected: object, actual: object) -> None:
+        super().__init__(f"sample {sample_id}: {what}: expected {expected}, got {actual}")
+        self.sample_id = sample_id
+        self.expected = expected
+        self.actual = actual
+
+
+class FatalEndpointError(DatagenError):
+    """The endpoint refuses the whole run (bad key, no credit): retrying any sample is pointless."""
+
+
+class ValidationGateError(DatagenError):
+    """A configured validation gate was crossed; the report has been written before this is raised."""
+
+
+class InsufficientSpaceError(DatagenError):
+    pass

@@ -1,0 +1,108 @@
+"""Arrow schemas of every stage's Parquet shards: the only contract between stages.
+
+A shard written with one SCHEMA_VERSION is never read by code expecting another: `shards.read_part` checks the
+version and the column types, so a stale run directory fails at the boundary instead of inside a trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import pyarrow as pa
+
+SCHEMA_VERSION: Final = 1
+
+STAGES: Final = ("prompts", "responses", "tokens", "validation", "hidden_states")
+
+MESSAGE = pa.struct([pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string())])
+
+PROMPTS = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("source_file", pa.string(), nullable=False),
+        pa.field("source_row", pa.int64(), nullable=False),
+        pa.field("messages", pa.list_(MESSAGE), nullable=False),
+    ]
+)
+
+RESPONSE_STATUS: Final = ("done", "failed")
+
+RESPONSES = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("error", pa.string()),
+        pa.field("reasoning", pa.string()),
+        pa.field("content", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("prompt_tokens", pa.int64()),
+        pa.field("completion_tokens", pa.int64()),
+        pa.field("reasoning_tokens", pa.int64()),
+        pa.field("cost_usd", pa.float64()),
+        pa.field("provider", pa.string()),
+        pa.field("model", pa.string()),
+        pa.field("generation_id", pa.string()),
+        pa.field("latency_s", pa.float64()),
+        pa.field("attempts", pa.int32(), nullable=False),
+        pa.field("output_ids", pa.list_(pa.int32())),
+        pa.field("prompt_ids", pa.list_(pa.int32())),
+    ]
+)
+
+TOKENS = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+        pa.field("prompt_len", pa.int32(), nullable=False),
+        pa.field("completion_len", pa.int32(), nullable=False),
+        pa.field("reasoning_len", pa.int32(), nullable=False),
+        pa.field("completion_format", pa.string(), nullable=False),
+    ]
+)
+
+REFERENCE_MATCH: Final = ("exact", "bpe_artifact", "real_difference", "no_reference")
+VERDICTS: Final = ("pass", "warn", "fail")
+
+VALIDATION = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("verdict", pa.string(), nullable=False),
+        pa.field("reference_match", pa.string(), nullable=False),
+        pa.field("first_divergence", pa.int32()),
+        pa.field("divergence_ours", pa.string()),
+        pa.field("divergence_reference", pa.string()),
+        pa.field("structural_issues", pa.list_(pa.string()), nullable=False),
+        pa.field("finish_reason", pa.string()),
+        pa.field("provider", pa.string()),
+        pa.field("billed_completion_tokens", pa.int64()),
+        pa.field("our_completion_tokens", pa.int64(), nullable=False),
+        pa.field("billing_delta_tokens", pa.int64()),
+        pa.field("billing_delta_frac", pa.float64()),
+    ]
+)
+
+HIDDEN_STATES_INDEX = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("shard", pa.string(), nullable=False),
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("length", pa.int32(), nullable=False),
+        pa.field("layers", pa.list_(pa.int32()), nullable=False),
+        pa.field("hidden_size", pa.int32(), nullable=False),
+        pa.field("dtype", pa.string(), nullable=False),
+    ]
+)
+
+SCHEMAS: Final[dict[str, pa.Schema]] = {
+    "prompts": PROMPTS,
+    "responses": RESPONSES,
+    "tokens": TOKENS,
+    "validation": VALIDATION,
+    "hidden_states": HIDDEN_STATES_INDEX,
+}

@@ -1,0 +1,197 @@
+"""Crash-safe Parquet shards in a run directory: `<run_dir>/<stage>/part-NNNNN.parquet` + `_done/part-NNNNN.json`.
+
+Invariant: a part counts as done only when its completion marker exists, and the marker is written after the
+Parquet file has been fsynced and renamed into place. A crash at any point leaves either no part, or a part
+without a marker (rewritten on resume), never a half-written file under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.errors import SchemaMismatchError
+from tasks.schemas import SCHEMA_VERSION, SCHEMAS
+
+PART_RE = re.compile(r"^part-(\d{5})\.parquet$")
+META_VERSION = b"eagle3.schema_version"
+META_STAGE = b"eagle3.stage"
+META_PROVENANCE = b"eagle3.provenance"
+
+
+def part_name(part: int) -> str:
+    return f"part-{part:05d}"
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """A reference to one shard of one stage: what tasks pass to each other instead of data."""
+
+    run_dir: Path
+    stage: str
+    part: int
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / self.stage / f"{part_name(self.part)}.parquet"
+
+    @property
+    def marker(self) -> Path:
+        return self.run_dir / self.stage / "_done" / f"{part_name(self.part)}.json"
+
+    def with_stage(self, stage: str) -> PartRef:
+        return PartRef(self.run_dir, stage, self.part)
+
+    def is_done(self) -> bool:
+        return self.marker.exists() and self.path.exists()
+
+    def __str__(self) -> str:
+        return f"{self.stage}/{part_name(self.part)}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def conform(table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
+    """Select and cast to the stage schema; a missing column or a lossy cast is a SchemaMismatchError."""
+    missing = [f.name for f in schema if f.name not in table.column_names]
+    if missing:
+        raise SchemaMismatchError(f"{what}: missing columns {missing}")
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise SchemaMismatchError(f"{what}: cannot cast to the stage schema: {exc}") from exc
+
+
+def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[bytes, bytes] | None = None) -> int:
+    """Write a Parquet file under a temporary name, fsync, then rename. Returns the file size."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def stage_metadata(stage: str, provenance: dict[str, Any]) -> dict[bytes, bytes]:
+    return {
+        META_VERSION: str(SCHEMA_VERSION).encode(),
+        META_STAGE: stage.encode(),
+        META_PROVENANCE: json.dumps(provenance, sort_keys=True, default=str).encode(),
+    }
+
+
+def write_part(
+    ref: PartRef, table: pa.Table, provenance: dict[str, Any], stats: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Conform, write atomically, then mark done. Returns the marker's content."""
+    table = conform(table, SCHEMAS[ref.stage], str(ref))
+    ref.marker.unlink(missing_ok=True)
+    size = write_parquet_atomic(ref.path, table, stage_metadata(ref.stage, provenance))
+    marker = {
+        "stage": ref.stage,
+        "part": ref.part,
+        "rows": table.num_rows,
+        "bytes": size,
+        "schema_version": SCHEMA_VERSION,
+        "finished_at": time.time(),
+        "stats": stats or {},
+    }
+    atomic_write_text(ref.marker, json.dumps(marker, sort_keys=True, default=str))
+    return marker
+
+
+def read_marker(ref: PartRef) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(ref.marker.read_text())
+    return result
+
+
+def check_schema(path: Path, schema: pa.Schema, stage: str) -> None:
+    file_schema = pq.read_schema(path)
+    meta = file_schema.metadata or {}
+    version = meta.get(META_VERSION, b"<none>").decode()
+    if version != str(SCHEMA_VERSION):
+        raise SchemaMismatchError(f"{path}: schema_version {version}, this code reads {SCHEMA_VERSION}")
+    if meta.get(META_STAGE, b"").decode() != stage:
+        raise SchemaMismatchError(f"{path}: written by stage {meta.get(META_STAGE)!r}, expected {stage!r}")
+    for field in schema:
+        if field.name not in file_schema.names:
+            raise SchemaMismatchError(f"{path}: missing column {field.name!r}")
+        actual = file_schema.field(field.name).type
+        if actual != field.type:
+            raise SchemaMismatchError(f"{path}: column {field.name!r} is {actual}, expected {field.type}")
+
+
+def read_part(ref: PartRef, columns: list[str] | None = None) -> pa.Table:
+    if not ref.is_done():
+        raise FileNotFoundError(f"{ref} is not complete (no marker at {ref.marker})")
+    check_schema(ref.path, SCHEMAS[ref.stage], ref.stage)
+    return pq.read_table(ref.path, columns=columns)
+
+
+def read_provenance(path: Path) -> dict[str, Any]:
+    meta = pq.read_schema(path).metadata or {}
+    result: dict[str, Any] = json.loads(meta.get(META_PROVENANCE, b"{}"))
+    return result
+
+
+def done_parts(run_dir: Path, stage: str) -> list[PartRef]:
+    stage_dir = run_dir / stage
+    if not stage_dir.is_dir():
+        return []
+    refs = []
+    for entry in sorted(stage_dir.iterdir()):
+        m = PART_RE.match(entry.name)
+        if m:
+            ref = PartRef(run_dir, stage, int(m.group(1)))
+            if ref.is_done():
+                refs.append(ref)
+    return refs
+
+
+def iter_rows(refs: list[PartRef], columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    for ref in refs:
+        yield from read_part(ref, columns).to_pylist()
