@@ -1,0 +1,236 @@
+"""Prompt datasets (JSONL or Parquet; OpenAI `messages` or ShareGPT `conversations`) -> `prompts` parts.
+
+Invariants: every input row ends up in exactly one place (a prompts row, the duplicate count, or the quarantine
+file with its reason); parts hold one dataset each and are numbered deterministically, so rerunning prepare on
+the same inputs rewrites nothing, and rerunning it on *different* inputs into the same run directory is refused
+instead of silently mixing two corpora.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.config import DatasetConfig, PipelineConfig
+from tasks.errors import ConfigError
+from tasks.messages import ROLES, Message, prompt_messages, sample_id
+from tasks.schemas import PROMPTS
+from tasks.shards import PartRef, atomic_write_text, done_parts, write_part
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+MANIFEST = "_manifest.json"
+QUARANTINE = "quarantine.jsonl"
+
+
+class MalformedRow(ValueError):
+    pass
+
+
+@dataclass
+class DatasetCounts:
+    rows_read: int = 0
+    kept: int = 0
+    duplicates: int = 0
+    quarantined: int = 0
+    parts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PrepareResult:
+    parts: list[int]
+    datasets: dict[str, DatasetCounts]
+    quarantine_path: Path
+    reused: bool
+
+    @property
+    def quarantined(self) -> int:
+        return sum(c.quarantined for c in self.datasets.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "parts": self.parts,
+            "datasets": {k: asdict(v) for k, v in self.datasets.items()},
+            "quarantine_path": str(self.quarantine_path),
+            "quarantined": self.quarantined,
+            "reused": self.reused,
+        }
+
+
+def _file_format(ds: DatasetConfig) -> str:
+    if ds.file_format != "auto":
+        return ds.file_format
+    suffix = ds.path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise ConfigError(f"dataset {ds.name}: cannot tell the format of {ds.path}; set file_format")
+
+
+def _raw_rows(ds: DatasetConfig) -> Iterator[tuple[int, Any, str | None]]:
+    """Yield (row number, parsed row or None, parse error) so a bad line is quarantined, not fatal."""
+    if not ds.path.is_file():
+        raise ConfigError(f"dataset {ds.name}: {ds.path} does not exist")
+    if _file_format(ds) == "jsonl":
+        with ds.path.open("r", encoding="utf-8", errors="replace") as fh:
+            for i, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                try:
+                    yield i, json.loads(line), None
+                except json.JSONDecodeError as exc:
+                    yield i, line[:500], f"bad JSON: {exc.msg} at column {exc.colno}"
+    else:
+        pf = pq.ParquetFile(ds.path)
+        row = 0
+        for batch in pf.iter_batches(batch_size=4096):
+            for record in batch.to_pylist():
+                yield row, record, None
+                row += 1
+
+
+def normalize_row(row: Any, shape: str) -> list[Message]:
+    if not isinstance(row, dict):
+        raise MalformedRow(f"row is {type(row).__name__}, expected an object")
+    if shape == "auto":
+        if "messages" in row:
+            shape = "messages"
+        elif "conversations" in row:
+            shape = "sharegpt"
+        else:
+            raise MalformedRow(f"row has neither 'messages' nor 'conversations' (keys: {sorted(row)[:8]})")
+    if shape == "messages":
+        turns, role_key, content_key, roles = row.get("messages"), "role", "content", {r: r for r in ROLES}
+    else:
+        turns, role_key, content_key, roles = row.get("conversations"), "from", "value", SHAREGPT_ROLES
+    if isinstance(turns, str):
+        try:
+            turns = json.loads(turns)
+        except json.JSONDecodeError as exc:
+            raise MalformedRow(f"{shape} field is a string that is not JSON: {exc.msg}") from exc
+    if not isinstance(turns, list) or not turns:
+        raise MalformedRow(f"{shape} must be a non-empty list, got {type(turns).__name__}")
+    messages: list[Message] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise MalformedRow(f"turn {i} is {type(turn).__name__}, expected an object")
+        role = turn.get(role_key)
+        if role is None:
+            raise MalformedRow(f"turn {i} has no '{role_key}'")
+        if not isinstance(role, str) or role not in roles:
+            raise MalformedRow(f"turn {i} has unknown role {role!r}")
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise MalformedRow(f"turn {i} content is {type(content).__name__}, expected a string")
+        if not content.strip():
+            raise MalformedRow(f"turn {i} ({roles[role]}) has empty content")
+        messages.append(Message(role=roles[role], content=content))
+    prompt = prompt_messages(messages)
+    if not prompt or prompt[-1]["role"] != "user":
+        raise MalformedRow("conversation has no user turn to answer (after dropping trailing assistant turns)")
+    return prompt
+
+
+def _fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
+    """Inputs that decide the prompts parts; a run directory belongs to exactly one such fingerprint."""
+    files = {}
+    for ds in cfg.datasets:
+        digest = hashlib.sha256()
+        with ds.path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        files[ds.name] = {
+            "path": str(ds.path),
+            "sha256": digest.hexdigest(),
+            "shape": ds.shape,
+            "max_samples": ds.max_samples,
+        }
+    return {"datasets": files, "samples_per_shard": cfg.samples_per_shard}
+
+
+def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
+    stage_dir = cfg.run_dir / "prompts"
+    manifest_path = stage_dir / MANIFEST
+    fingerprint = _fingerprint(cfg)
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest["fingerprint"] != fingerprint:
+            raise ConfigError(
+                f"{cfg.run_dir} already holds prompts prepared from different inputs "
+                f"(datasets or samples_per_shard changed); use a new run_dir"
+            )
+        done = {r.part for r in done_parts(cfg.run_dir, "prompts")}
+        if set(manifest["parts"]) <= done:
+            counts = {k: DatasetCounts(**v) for k, v in manifest["datasets"].items()}
+            return PrepareResult(manifest["parts"], counts, stage_dir / QUARANTINE, reused=True)
+
+    counts: dict[str, DatasetCounts] = {}
+    quarantine: list[str] = []
+    next_part = 0
+    all_parts: list[int] = []
+    for ds in cfg.datasets:
+        c = counts[ds.name] = DatasetCounts()
+        seen: set[str] = set()
+        rows: list[dict[str, Any]] = []
+        for row_no, raw, parse_error in _raw_rows(ds):
+            if ds.max_samples is not None and c.kept >= ds.max_samples:
+                break
+            c.rows_read += 1
+            try:
+                if parse_error:
+                    raise MalformedRow(parse_error)
+                messages = normalize_row(raw, ds.shape)
+            except MalformedRow as exc:
+                c.quarantined += 1
+                quarantine.append(
+                    json.dumps(
+                        {
+                            "dataset": ds.name,
+                            "source_file": str(ds.path),
+                            "source_row": row_no,
+                            "reason": str(exc),
+                            "raw": raw if isinstance(raw, str) else json.dumps(raw, default=str)[:2000],
+                        },
+                        ensure_ascii=False,
+                    )
+                )
+                continue
+            sid = sample_id(ds.name, messages)
+            if sid in seen:
+                c.duplicates += 1
+                continue
+            seen.add(sid)
+            c.kept += 1
+            rows.append(
+                {
+                    "sample_id": sid,
+                    "dataset": ds.name,
+                    "source_file": str(ds.path),
+                    "source_row": row_no,
+                    "messages": messages,
+                }
+            )
+        for start in range(0, len(rows), cfg.samples_per_shard):
+            chunk = rows[start : start + cfg.samples_per_shard]
+            ref = PartRef(cfg.run_dir, "prompts", next_part)
+            table = pa.Table.from_pylist(chunk, schema=PROMPTS)
+            write_part(ref, table, cfg.provenance() | {"dataset": ds.name}, {"dataset": ds.name})
+            c.parts.append(next_part)
+            all_parts.append(next_part)
+            next_part += 1
+
+    atomic_write_text(stage_dir / QUARANTINE, "".join(line + "\n" for line in quarantine))
+    manifest = {
+        "fingerprint": fingerprint,
+        "parts": all_parts,
+        "datasets": {k: asdict(v) for k, v in counts.items()},
+    }
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+    return PrepareResult(all_parts, counts, stage_dir / QUARANTINE, reused=False)

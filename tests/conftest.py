@@ -1,0 +1,44 @@
+"""Session-wide fixtures: one Prefect test harness, one tiny model directory, temp PREFECT_HOME.
+
+Prefect reads its settings at import, so the environment is set here before any test module imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="eagle3-prefect-home-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_UI_ENABLED"] = "false"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from endpoint_sim.assets import build_tiny_model_dir, write_tokenizer_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DATA = REPO / "flows" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.config import PipelineConfig
+from tasks.errors import ConfigError
+from tasks.messages import sample_id
+from tasks.prepare import prepare_datasets
+from tasks.shards import PartRef, done_parts, read_part
+
+
+def make_cfg(tmp_path: Path, datasets: list[dict[str, object]], per_shard: int = 4) -> PipelineConfig:
+    return PipelineConfig.model_validate(
+        {
+            "run_dir": tmp_path / "run",
+            "samples_per_shard": per_shard,
+            "datasets": datasets,
+            "endpoint": {"model": "m"},
+            "tokenizer": {"path": tmp_path},
+        }
+    )
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+GOOD = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(6)]
+
+
+def test_jsonl_messages_sharded_deduplicated_and_quarantined(tmp_path: Path) -> None:
+    bad = [
+        '{"messages": [',
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "user", "content": ""}]},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"text": "wrong shape"},
+        {"messages": [{"role": "assistant", "content": "only an answer"}]},
+    ]
+    rows = [*GOOD[:3], *bad, GOOD[0], *GOOD[3:]]
+    cfg = make_cfg(tmp_path, [{"name": "B1", "path": write_jsonl(tmp_path / "b1.jsonl", rows)}])
+    result = prepare_datasets(cfg)
+
+    counts = result.datasets["B1"]
+    assert (counts.rows_read, counts.kept, counts.duplicates, counts.quarantined) == (14, 6, 1, 7)
+    assert result.parts == [0, 1]
+    table = pa.concat_tables([read_part(r) for r in done_parts(cfg.run_dir, "prompts")])
+    assert table.num_rows == 6
+    assert len(set(table["sample_id"].to_pylist())) == 6
+    first = table.slice(0, 1).to_pylist()[0]
+    assert first["messages"] == [{"role": "user", "content": "q0"}]
+    assert first["sample_id"] == sample_id("B1", [{"role": "user", "content": "q0"}])
+
+    reasons = [json.loads(line)["reason"] for line in result.quarantine_path.read_text().splitlines()]
+    assert len(reasons) == 7
+    assert any("bad JSON" in r for r in reasons)
+    assert any("has no 'role'" in r for r in reasons)
+    assert any("empty content" in r for r in reasons)
+    assert any("expected a string" in r for r in reasons)
+    assert any("unknown role" in r for r in reasons)
+    assert any("neither 'messages' nor 'conversations'" in r for r in reasons)
+    assert any("no user turn" in r for r in reasons)
+
+
+def test_parquet_sharegpt_and_trailing_assistant_dropped(tmp_path: Path) -> None:
+    conv = [
+        {"from": "system", "value": "be terse"},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "someone else's answer"},
+    ]
+    path = tmp_path / "b3.parquet"
+    pq.write_table(pa.Table.from_pylist([{"conversations": conv}]), path)
+    cfg = make_cfg(tmp_path, [{"name": "B3", "path": path, "shape": "sharegpt"}])
+    prepare_datasets(cfg)
+    row = read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()[0]
+    assert row["messages"] == [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"}]
+
+
+def test_sample_ids_are_content_keyed_and_per_dataset(tmp_path: Path) -> None:
+    a = make_cfg(tmp_path / "a", [{"name": "B1", "path": write_jsonl(tmp_path / "x.jsonl", GOOD)}])
+    b = make_cfg(tmp_path / "b", [{"name": "B1", "path": write_jsonl(tmp_path / "y.jsonl", GOOD[::-1])}])
+    c = make_cfg(tmp_path / "c", [{"name": "B2", "path": tmp_path / "x.jsonl"}])
+    ids = []
+    for cfg in (a, b, c):
+        prepare_datasets(cfg)
+        ids.append(set(pa.concat_tables([read_part(r) for r in done_parts(cfg.run_dir, "prompts")])["sample_id"].to_pylist()))
+    assert ids[0] == ids[1]
+    assert not ids[0] & ids[2]
+
+
+def test_rerun_reuses_and_changed_inputs_are_refused(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "b1.jsonl", GOOD)
+    cfg = make_cfg(tmp_path, [{"name": "B1", "path": path}])
+    assert not prepare_datasets(cfg).reused
+    mtime = PartRef(cfg.run_dir, "prompts", 0).path.stat().st_mtime_ns
+    assert prepare_datasets(cfg).reused
+    assert PartRef(cfg.run_dir, "prompts", 0).path.stat().st_mtime_ns == mtime
+    write_jsonl(path, GOOD[:2])
+    with pytest.raises(ConfigError, match="different inputs"):
+        prepare_datasets(cfg)
+
+
+def test_bundled_demo_data_has_the_planted_bad_rows(tmp_path: Path) -> None:
+    from tests.conftest import DEMO_DATA
+
+    cfg = make_cfg(
+        tmp_path,
+        [
+            {"name": "B1", "path": DEMO_DATA / "demo_b1.jsonl"},
+            {"name": "B3", "path": DEMO_DATA / "demo_b3.parquet", "shape": "sharegpt"},
+        ],
+        per_shard=16,
+    )
+    result = prepare_datasets(cfg)
+    assert result.datasets["B1"].quarantined == 7
+    assert result.datasets["B1"].duplicates == 1
+    assert result.datasets["B3"].quarantined == 2
+    assert result.datasets["B1"].kept == 48
+    assert result.datasets["B3"].kept == 32
