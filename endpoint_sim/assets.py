@@ -13,6 +13,7 @@ import json
 import shutil
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 DEEPSEEK_V31_TEMPLATE = (
     "{{ bos_token }}"
@@ -82,7 +83,7 @@ def build_tiny_model_dir(model_dir: Path, seed: int = 0, num_hidden_layers: int 
 
     write_tokenizer_dir(model_dir)
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
-    params = dict(TINY_MODEL)
+    params: dict[str, Any] = dict(TINY_MODEL)
     if num_hidden_layers is not None:
         params["num_hidden_layers"] = num_hidden_layers
     config = LlamaConfig(
@@ -95,7 +96,7 @@ def build_tiny_model_dir(model_dir: Path, seed: int = 0, num_hidden_layers: int 
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    model.to(torch.bfloat16)
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' wrapped .to() confuses mypy
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
 

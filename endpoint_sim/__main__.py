@@ -1,0 +1,83 @@
+"""`python -m endpoint_sim --model-dir D --port P`: the simulator in the foreground (benchmarks, demos)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+from pathlib import Path
+
+from endpoint_sim.responder import FailureRule, SimConfig
+from endpoint_sim.server import serve_forever
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimConfig]:
+    parser = argparse.ArgumentParser(prog="python -m endpoint_sim", description=__doc__)
+    parser.add_argument("--model-dir", type=Path, required=True, help="local model dir with tokenizer files")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--config-json", type=Path, help="full SimConfig as JSON; flags below override it")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--noncanonical-rate", type=float)
+    parser.add_argument("--text-mismatch-rate", type=float)
+    parser.add_argument("--tool-call-rate", type=float)
+    parser.add_argument("--latency-s", type=float)
+    parser.add_argument("--latency-lognormal", type=float, nargs=2, metavar=("MU", "SIGMA"))
+    parser.add_argument(
+        "--fail",
+        action="append",
+        default=[],
+        metavar="STATUS:RATE[:ATTEMPTS[:RETRY_AFTER_S]]",
+        help="inject HTTP failures, e.g. 503:0.1:2 (ATTEMPTS 0 = every attempt); repeatable",
+    )
+    parser.add_argument("--auth-fail-all", action="store_true")
+    parser.add_argument("--required-api-key")
+    args = parser.parse_args(argv)
+    data = json.loads(args.config_json.read_text()) if args.config_json else {}
+    flags = {
+        "seed": args.seed,
+        "noncanonical_rate": args.noncanonical_rate,
+        "text_mismatch_rate": args.text_mismatch_rate,
+        "tool_call_rate": args.tool_call_rate,
+        "latency_s": args.latency_s,
+        "latency_lognormal": tuple(args.latency_lognormal) if args.latency_lognormal else None,
+        "required_api_key": args.required_api_key,
+    }
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if args.auth_fail_all:
+        data["auth_fail_all"] = True
+    if args.fail:
+        data["failures"] = [*data.get("failures", []), *(_failure(spec).model_dump() for spec in args.fail)]
+    return args, SimConfig.model_validate(data)
+
+
+def _failure(spec: str) -> FailureRule:
+    parts = spec.split(":")
+    if not 2 <= len(parts) <= 4:
+        raise SystemExit(f"--fail {spec!r}: expected STATUS:RATE[:ATTEMPTS[:RETRY_AFTER_S]]")
+    attempts = int(parts[2]) if len(parts) > 2 else 1
+    return FailureRule(
+        status=int(parts[0]),
+        rate=float(parts[1]),
+        attempts=attempts or None,
+        retry_after_s=float(parts[3]) if len(parts) > 3 else None,
+    )
+
+
+def _raise_open_files_limit() -> None:
+    """Thousands of concurrent connections need thousands of descriptors; the soft limit is often 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config = parse_args(argv)
+    _raise_open_files_limit()
+    print(f"endpoint-sim serving {args.model_dir} on http://{args.host}:{args.port}", flush=True)
+    serve_forever(args.model_dir, config, args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

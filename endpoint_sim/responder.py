@@ -1,0 +1,328 @@
+"""Deterministic "target model" answers built from a real tokenizer, plus every knob of the simulator.
+
+Why deterministic: tests and benchmarks must predict what the endpoint said for a prompt, and a rerun must see
+the same answer. Everything derives from a hash of (prompt ids, request seed, config seed), never from global
+randomness or time.
+
+Why a real tokenizer: the pipeline's hard problem is reproducing the exact token ids a target model sampled
+from the text an API returns. So the reference `output_ids` are what the model would emit: canonical BPE of
+`reasoning </think> content` plus eos, except for a configurable fraction that is a *non-canonical* split of
+the same bytes (what a sampling model really produces now and then), and an optional fraction whose ids encode
+a slightly different text than the one returned (a real difference the validator must catch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+REASONING_CLOSE = "</think>"
+
+# Words whose canonical BPE differs from naive splits (" NORTH" is one token, "NORTH" is "NOR"+"TH"), numbers,
+# code, non-ASCII and punctuation-heavy tokens: the places where a re-tokenization goes wrong first.
+_WORD_TEXT = """
+    the a model token answer so we need to check compute value sum first then finally because
+    therefore is of and in for with that NORTH NOR north SOUTH EAST WEST Paris London Tokyo Zürich
+    Paris, 42 1024 3.14159 -7 2025 0x1F 1e-9 12,345 100% $19.99 x y f(x) == != <= -> => :: i++
+    __init__ self.value snake_case camelCase std::vector<int> #include NaN None True null JSON
+    HTTP/1.1 naïve café résumé 北京 東京 🙂 — “quoted” it's don't user's e.g.
+"""
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+
+CODE_SNIPPETS: tuple[str, ...] = (
+    "def f(x):\n    return x * 2\n",
+    "for i in range(10):\n    total += i\n",
+    "int main(void) {\n    return 0;\n}\n",
+    "const xs = [1, 2, 3].map((x) => x ** 2);\n",
+    "SELECT name, COUNT(*) FROM users GROUP BY name;\n",
+)
+
+TOOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("get_weather", "city", ("Paris", "London", "Tokyo", "NORTH Pole")),
+    ("search", "query", ("capital of France", "NOR gate truth table", "12,345 / 7")),
+    ("calculator", "expression", ("3.14159 * 2", "(1024 - 7) / 3", "2 ** 10")),
+)
+
+
+class FailureRule(BaseModel):
+    """A deterministic slice of prompts that fails its first `attempts` requests (every request if None).
+
+    Rules partition the prompt space: rule i owns the keys whose hash falls in its own `rate`-wide interval,
+    so the fractions add up and a prompt is hit by at most one rule.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["http", "context_length", "error_body"] = "http"
+    status: int = Field(default=500, ge=400, le=599)
+    rate: float = Field(ge=0.0, le=1.0)
+    attempts: int | None = Field(default=1, ge=1)
+    retry_after_s: float | None = Field(default=None, ge=0.0)
+
+
+class SimConfig(BaseModel):
+    """Every simulator knob. Lengths are in words; latency in seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = 0
+    model_name: str = "sim/deepseek-v4-sim"
+    providers: tuple[str, ...] = ("SimProviderA", "SimProviderB")
+    reasoning_words: tuple[int, int] = (20, 80)
+    content_words: tuple[int, int] = (10, 60)
+    tool_call_rate: float = Field(default=0.15, ge=0.0, le=1.0)
+    code_rate: float = Field(default=0.2, ge=0.0, le=1.0)
+    noncanonical_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    text_mismatch_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    report_cost: bool = True
+    price_prompt_usd_per_mtok: float = Field(default=0.5, ge=0.0)
+    price_completion_usd_per_mtok: float = Field(default=2.0, ge=0.0)
+    failures: tuple[FailureRule, ...] = ()
+    auth_fail_all: bool = False
+    required_api_key: str | None = None
+    latency_s: float = Field(default=0.0, ge=0.0)
+    latency_lognormal: tuple[float, float] | None = Field(
+        default=None, description="(mu, sigma) of log-seconds, added to latency_s."
+    )
+    cache_size: int = Field(default=65536, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        for name in ("reasoning_words", "content_words"):
+            lo, hi = getattr(self, name)
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{name} must be (min, max) with 0 <= min <= max, got {(lo, hi)}")
+        total = sum(rule.rate for rule in self.failures)
+        if total > 1.0 + 1e-9:
+            raise ValueError(f"failure rule rates must sum to <= 1, got {total}")
+        if not self.providers:
+            raise ValueError("providers must name at least one provider")
+        return self
+
+
+@dataclass(frozen=True)
+class SimSample:
+    """The simulator's full answer to one (prompt, seed): what it returns and what the model "sampled"."""
+
+    key: str
+    prompt_ids: tuple[int, ...]
+    reasoning: str
+    content: str
+    output_ids: tuple[int, ...]
+    canonical_ids: tuple[int, ...]
+    reasoning_tokens: int
+    provider: str
+    has_tool_call: bool
+    noncanonical: bool
+    text_mismatch: bool
+
+    @property
+    def text(self) -> str:
+        return self.reasoning + REASONING_CLOSE + self.content
+
+
+def unit_hash(*parts: object) -> float:
+    """A uniform number in [0, 1) from the parts: per-key decisions that do not depend on call order."""
+    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _rng(*parts: object) -> random.Random:
+    return random.Random(int(unit_hash(*parts) * 2**53))
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _Lru(Generic[K, V]):
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.size:
+            self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+class Responder:
+    """Maps a prompt to its deterministic `SimSample`; tokenizer work is cached per prompt key (LRU)."""
+
+    def __init__(self, model_dir: Path | str, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        eos = self.tokenizer.eos_token_id
+        close = self.tokenizer.convert_tokens_to_ids(REASONING_CLOSE)
+        if not isinstance(eos, int) or not isinstance(close, int) or close == self.tokenizer.unk_token_id:
+            raise ValueError(f"{model_dir}: tokenizer needs an eos id and a single {REASONING_CLOSE!r} token")
+        self.eos_id: int = eos
+        self.eos_token: str = str(self.tokenizer.eos_token)
+        self.reasoning_close_id: int = close
+        self._vocab: dict[str, int] = self.tokenizer.get_vocab()
+        self._special_ids = frozenset(self.tokenizer.all_special_ids) | frozenset(
+            self.tokenizer.get_added_vocab().values()
+        )
+        self.close_is_special: bool = close in self.tokenizer.all_special_ids
+        self._prompts: _Lru[str, tuple[int, ...]] = _Lru(self.config.cache_size)
+        self._samples: _Lru[str, SimSample] = _Lru(self.config.cache_size)
+
+    def update_config(self, config: SimConfig) -> None:
+        """New knobs change answers, so cached samples go; rendered prompts do not depend on knobs."""
+        self.config = config
+        self._samples = _Lru(config.cache_size)
+        self._prompts.size = config.cache_size
+
+    def prompt_ids_for_messages(self, messages: list[dict[str, Any]]) -> tuple[int, ...]:
+        cache_key = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        cached = self._prompts.get(cache_key)
+        if cached is not None:
+            return cached
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):
+            raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
+        ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        self._prompts.put(cache_key, ids)
+        return ids
+
+    def prompt_ids_for_text(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def key(self, prompt_ids: tuple[int, ...] | list[int], seed: int | None) -> str:
+        digest = hashlib.sha256(array("q", prompt_ids).tobytes())
+        digest.update(f"/{seed}".encode())
+        return digest.hexdigest()[:24]
+
+    def key_for_messages(self, messages: list[dict[str, Any]], seed: int | None = None) -> str:
+        return self.key(self.prompt_ids_for_messages(messages), seed)
+
+    def sample_for_messages(self, messages: list[dict[str, Any]], seed: int | None = None) -> SimSample:
+        ids = self.prompt_ids_for_messages(messages)
+        return self.sample(ids, seed)
+
+    def sample(self, prompt_ids: tuple[int, ...], seed: int | None, key: str | None = None) -> SimSample:
+        key = key or self.key(prompt_ids, seed)
+        cached = self._samples.get(key)
+        if cached is not None:
+            return cached
+        built = self._build(key, prompt_ids)
+        self._samples.put(key, built)
+        return built
+
+    def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = False) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def _build(self, key: str, prompt_ids: tuple[int, ...]) -> SimSample:
+        cfg = self.config
+        rng = _rng(key, cfg.seed, "text")
+        reasoning = _paragraph(rng, rng.randint(*cfg.reasoning_words), cfg.code_rate)
+        content = _paragraph(rng, rng.randint(*cfg.content_words), cfg.code_rate)
+        has_tool_call = unit_hash(key, cfg.seed, "tool") < cfg.tool_call_rate
+        if has_tool_call:
+            content = (content + "\n\n" if content else "") + _tool_call(rng)
+        provider = cfg.providers[int(unit_hash(key, cfg.seed, "provider") * len(cfg.providers))]
+        canonical_body = self._encode(reasoning + REASONING_CLOSE + content)
+        canonical = (*canonical_body, self.eos_id)
+        output_body = canonical_body
+        text_mismatch = unit_hash(key, cfg.seed, "mismatch") < cfg.text_mismatch_rate
+        if text_mismatch:
+            altered = _alter(content, _rng(key, cfg.seed, "mismatch-word"))
+            output_body = self._encode(reasoning + REASONING_CLOSE + altered)
+        noncanonical = False
+        if unit_hash(key, cfg.seed, "noncanonical") < cfg.noncanonical_rate:
+            split = self._split_one_token(output_body, _rng(key, cfg.seed, "noncanonical-pos"))
+            if split is not None:
+                output_body, noncanonical = split, True
+        output = (*output_body, self.eos_id)
+        return SimSample(
+            key=key,
+            prompt_ids=prompt_ids,
+            reasoning=reasoning,
+            content=content,
+            output_ids=output,
+            canonical_ids=canonical,
+            reasoning_tokens=output.index(self.reasoning_close_id),
+            provider=provider,
+            has_tool_call=has_tool_call,
+            noncanonical=noncanonical,
+            text_mismatch=text_mismatch,
+        )
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _split_one_token(self, ids: tuple[int, ...], rng: random.Random) -> tuple[int, ...] | None:
+        """Replace one multi-byte token by two vocabulary tokens with the same bytes; None if none splits.
+
+        Byte-level BPE vocab strings map one character to one byte, so splitting the string splits the bytes.
+        The decode is checked anyway: a split that changed the text would be a real difference, not BPE noise.
+        """
+        tokens = self.tokenizer.convert_ids_to_tokens(list(ids))
+        positions = [i for i, (t, tid) in enumerate(zip(tokens, ids, strict=True)) if tid not in self._special_ids]
+        rng.shuffle(positions)
+        reference = self.decode(ids)
+        for pos in positions:
+            token = tokens[pos]
+            cuts = [
+                (self._vocab[token[:k]], self._vocab[token[k:]])
+                for k in range(1, len(token))
+                if token[:k] in self._vocab and token[k:] in self._vocab
+            ]
+            if not cuts:
+                continue
+            left, right = rng.choice(cuts)
+            candidate = (*ids[:pos], left, right, *ids[pos + 1 :])
+            if self.decode(candidate) == reference:
+                return candidate
+        return None
+
+
+def _paragraph(rng: random.Random, n_words: int, code_rate: float) -> str:
+    out = ""
+    remaining = n_words
+    while remaining > 0:
+        n = min(remaining, rng.randint(4, 14))
+        remaining -= n
+        words = [str(rng.randint(0, 99_999)) if rng.random() < 0.08 else rng.choice(WORDS) for _ in range(n)]
+        sentence = " ".join(words) + rng.choice((".", ".", ".", "!", "?", ":"))
+        out += (" " if out and not out.endswith("\n") else "") + sentence[0].upper() + sentence[1:]
+        if remaining > 0 and rng.random() < code_rate / 3:
+            out += "\n\n```\n" + rng.choice(CODE_SNIPPETS) + "```\n\n"
+        elif remaining > 0 and rng.random() < 0.15:
+            out += "\n\n"
+    return out
+
+
+def _tool_call(rng: random.Random) -> str:
+    name, arg, values = rng.choice(TOOLS)
+    payload = json.dumps({"name": name, "arguments": {arg: rng.choice(values)}}, ensure_ascii=False)
+    return f"<tool_call>\n{payload}\n</tool_call>"
+
+
+def _alter(content: str, rng: random.Random) -> str:
+    """A slightly different text: one word swapped (or one appended), as a provider-side edit would do."""
+    words = content.split(" ")
+    if len(words) < 2:
+        return content + " NORTH"
+    i = rng.randrange(len(words))
+    replacement = rng.choice([w for w in WORDS if w != words[i]])
+    return " ".join([*words[:i], replacement, *words[i + 1 :]])
