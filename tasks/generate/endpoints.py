@@ -1,0 +1,241 @@
+"""Request building and response parsing per endpoint kind, into one `GenerationResult`.
+
+Two kinds, because they give different guarantees: an OpenAI-compatible chat API (OpenRouter, vLLM, SGLang's
+OpenAI server) returns only text, so later stages must re-tokenize it; SGLang's native /generate takes the
+exact prompt ids and returns the sampled `output_ids`, which are the ground truth the validator compares to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from tasks.config import PipelineConfig
+from tasks.errors import ConfigError, DatagenError
+from tasks.messages import Message
+from tasks.tokenizer_loading import render_prompt_ids
+
+CHAT_PATH = "/chat/completions"
+GENERATE_PATH = "/generate"
+
+
+class MalformedResponseError(DatagenError):
+    """An HTTP 200 whose body is not the shape this endpoint kind promises; treated as retryable."""
+
+
+@dataclass(frozen=True)
+class CompletionMarkers:
+    """Strings of the completion format: where reasoning ends, and the end-of-turn text a server may leave in.
+
+    An empty `reasoning_close` means the format has no separate reasoning section.
+    """
+
+    reasoning_close: str
+    end_of_turn: str
+
+
+@dataclass(frozen=True)
+class EndpointRequest:
+    url: str
+    payload: dict[str, Any]
+    prompt_ids: list[int] | None
+
+
+@dataclass
+class GenerationResult:
+    reasoning: str | None
+    content: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int | None
+    cost_usd: float | None
+    provider: str | None
+    model: str | None
+    generation_id: str | None
+    output_ids: list[int] | None
+    prompt_ids: list[int] | None
+
+
+def endpoint_url(cfg: PipelineConfig) -> str:
+    """OpenAI-style base URLs end in /v1 (OpenRouter: .../api/v1); SGLang's /generate is at the root."""
+    base = cfg.endpoint.base_url
+    if cfg.endpoint.kind == "openai_chat":
+        return base + CHAT_PATH if base.endswith("/v1") else base + "/v1" + CHAT_PATH
+    return base.removesuffix("/v1") + GENERATE_PATH
+
+
+def build_request(
+    cfg: PipelineConfig, messages: list[Message], tokenizer: PreTrainedTokenizerBase | None = None
+) -> EndpointRequest:
+    sampling = cfg.sampling
+    url = endpoint_url(cfg)
+    if cfg.endpoint.kind == "openai_chat":
+        payload: dict[str, Any] = {
+            "model": cfg.endpoint.model,
+            "messages": [dict(m) for m in messages],
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            "usage": {"include": True},
+        }
+        if sampling.seed is not None:
+            payload["seed"] = sampling.seed
+        if sampling.stop:
+            payload["stop"] = list(sampling.stop)
+        if cfg.endpoint.provider_routing:
+            payload["provider"] = cfg.endpoint.provider_routing
+        if cfg.endpoint.reasoning:
+            payload["reasoning"] = cfg.endpoint.reasoning
+        return EndpointRequest(url, payload, None)
+    if tokenizer is None:
+        raise ConfigError("endpoint.kind 'sglang_generate' needs the tokenizer to render prompt ids")
+    prompt_ids = render_prompt_ids(tokenizer, messages)
+    params: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_new_tokens": sampling.max_tokens,
+        "skip_special_tokens": False,
+    }
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed
+    return EndpointRequest(url, {"input_ids": prompt_ids, "sampling_params": params}, prompt_ids)
+
+
+def price_cost(cfg: PipelineConfig, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
+    """Cost from the configured price table; None when there is no table or no usage to price."""
+    ep = cfg.endpoint
+    if (ep.price_prompt_usd_per_mtok == 0 and ep.price_completion_usd_per_mtok == 0) or (
+        prompt_tokens is None and completion_tokens is None
+    ):
+        return None
+    return (
+        (prompt_tokens or 0) * ep.price_prompt_usd_per_mtok
+        + (completion_tokens or 0) * ep.price_completion_usd_per_mtok
+    ) / 1e6
+
+
+def parse_response(
+    cfg: PipelineConfig,
+    body: dict[str, Any],
+    markers: CompletionMarkers,
+    prompt_ids: list[int] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> GenerationResult:
+    if cfg.endpoint.kind == "openai_chat":
+        return _parse_chat(cfg, body)
+    return _parse_generate(cfg, body, markers, prompt_ids, tokenizer)
+
+
+def _opt_int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedResponseError(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise MalformedResponseError(f"{what} must be a string, got {type(value).__name__}")
+
+
+def _parse_chat(cfg: PipelineConfig, body: dict[str, Any]) -> GenerationResult:
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise MalformedResponseError(f"chat response has no choices (keys: {sorted(body)})")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise MalformedResponseError("chat response choice has no message object")
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    raw_usage = body.get("usage")
+    usage: dict[str, Any] = raw_usage if isinstance(raw_usage, dict) else {}
+    details = usage.get("completion_tokens_details")
+    prompt_tokens = _opt_int(usage.get("prompt_tokens"), "usage.prompt_tokens")
+    completion_tokens = _opt_int(usage.get("completion_tokens"), "usage.completion_tokens")
+    reported_cost = usage.get("cost")
+    if isinstance(reported_cost, int | float) and not isinstance(reported_cost, bool):
+        cost: float | None = float(reported_cost)
+    else:
+        cost = price_cost(cfg, prompt_tokens, completion_tokens)
+    return GenerationResult(
+        reasoning=_opt_str(reasoning, "message.reasoning"),
+        content=_opt_str(message.get("content"), "message.content"),
+        finish_reason=_opt_str(choice.get("finish_reason"), "finish_reason"),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        reasoning_tokens=_opt_int(
+            details.get("reasoning_tokens") if isinstance(details, dict) else None, "usage.reasoning_tokens"
+        ),
+        cost_usd=cost,
+        provider=_opt_str(body.get("provider"), "provider"),
+        model=_opt_str(body.get("model"), "model"),
+        generation_id=_opt_str(body.get("id"), "id"),
+        output_ids=None,
+        prompt_ids=None,
+    )
+
+
+def split_completion(text: str, markers: CompletionMarkers) -> tuple[str | None, str]:
+    """(reasoning, content) of a raw completion text.
+
+    The generation prompt of a reasoning format opens the reasoning section, so text with no close marker is
+    reasoning that never finished (content ""), not content.
+    """
+    if markers.end_of_turn and text.endswith(markers.end_of_turn):
+        text = text[: -len(markers.end_of_turn)]
+    if not markers.reasoning_close:
+        return None, text
+    reasoning, found, content = text.partition(markers.reasoning_close)
+    return (reasoning, content) if found else (text, "")
+
+
+def _parse_generate(
+    cfg: PipelineConfig,
+    body: dict[str, Any],
+    markers: CompletionMarkers,
+    prompt_ids: list[int] | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> GenerationResult:
+    text = body.get("text")
+    meta = body.get("meta_info")
+    output_ids = body.get("output_ids")
+    if not isinstance(text, str) or not isinstance(meta, dict):
+        raise MalformedResponseError(f"/generate response needs 'text' and 'meta_info' (keys: {sorted(body)})")
+    if output_ids is not None and not (
+        isinstance(output_ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in output_ids)
+    ):
+        raise MalformedResponseError("/generate output_ids must be a list of integers")
+    finish = meta.get("finish_reason")
+    finish_reason = finish.get("type") if isinstance(finish, dict) else finish
+    reasoning, content = split_completion(text, markers)
+    prompt_tokens = _opt_int(meta.get("prompt_tokens"), "meta_info.prompt_tokens")
+    completion_tokens = _opt_int(meta.get("completion_tokens"), "meta_info.completion_tokens")
+    reasoning_tokens = _opt_int(meta.get("reasoning_tokens"), "meta_info.reasoning_tokens")
+    if reasoning_tokens is None and output_ids and tokenizer is not None and markers.reasoning_close:
+        close_id = tokenizer.convert_tokens_to_ids(markers.reasoning_close)
+        if isinstance(close_id, int) and close_id != tokenizer.unk_token_id and close_id in output_ids:
+            reasoning_tokens = output_ids.index(close_id)
+    generation_id = meta.get("id")
+    return GenerationResult(
+        reasoning=reasoning,
+        content=content,
+        finish_reason=_opt_str(finish_reason, "meta_info.finish_reason"),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        reasoning_tokens=reasoning_tokens,
+        cost_usd=price_cost(cfg, prompt_tokens, completion_tokens),
+        provider=None,
+        model=cfg.endpoint.model,
+        generation_id=None if generation_id is None else str(generation_id),
+        output_ids=list(output_ids) if output_ids is not None else None,
+        prompt_ids=prompt_ids,
+    )

@@ -1,0 +1,410 @@
+"""The generate stage: every prompt of every given part becomes exactly one `responses` row, crash-safely.
+
+Why one window for all parts: a barrier at each part boundary would drain the pipe to zero in-flight requests
+while the slowest sample of a part finishes; with thousands in flight that idles most of the capacity. So
+samples of all parts flow through one bounded window and a part is written the moment its last sample ends.
+
+Why chunks: a run of a million samples must not lose hours of paid generations to a crash. Finished rows are
+committed every `commit_every_samples` results or `commit_every_s` seconds as small atomic Parquet chunks;
+on restart, chunks and finished parts are merged by sample_id and "done" samples are never sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from collections import Counter
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from transformers import PreTrainedTokenizerBase
+
+from tasks.config import PipelineConfig
+from tasks.generate.client import EndpointClient, SampleOutcome
+from tasks.generate.endpoints import CompletionMarkers, GenerationResult
+from tasks.messages import prompt_messages
+from tasks.schemas import RESPONSES
+from tasks.shards import (
+    PartRef,
+    check_schema,
+    conform,
+    part_name,
+    read_part,
+    stage_metadata,
+    write_parquet_atomic,
+)
+from tasks.shards import write_part as write_stage_part
+from tasks.tokenizer_loading import load_tokenizer
+
+STAGE = "responses"
+CHUNKS_DIR = "_chunks"
+RESULT_FIELDS = (
+    "reasoning",
+    "content",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost_usd",
+    "provider",
+    "model",
+    "generation_id",
+    "output_ids",
+    "prompt_ids",
+)
+
+
+@dataclass
+class PartSummary:
+    """Counts for one part in this run: done + failed + skipped_already_done = samples."""
+
+    part: int
+    samples: int = 0
+    done: int = 0
+    failed: int = 0
+    skipped_already_done: int = 0
+    requests_sent: int = 0
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+    retries_by_reason: dict[str, int] = field(default_factory=dict)
+    cost_usd: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GenerateSummary:
+    parts: list[PartSummary] = field(default_factory=list)
+
+    def total(self) -> dict[str, Any]:
+        reasons: Counter[str] = Counter()
+        retries: Counter[str] = Counter()
+        for p in self.parts:
+            reasons.update(p.failures_by_reason)
+            retries.update(p.retries_by_reason)
+        return {
+            "parts": len(self.parts),
+            "samples": sum(p.samples for p in self.parts),
+            "done": sum(p.done for p in self.parts),
+            "failed": sum(p.failed for p in self.parts),
+            "skipped_already_done": sum(p.skipped_already_done for p in self.parts),
+            "requests_sent": sum(p.requests_sent for p in self.parts),
+            "failures_by_reason": dict(reasons),
+            "retries_by_reason": dict(retries),
+            "cost_usd": sum(p.cost_usd for p in self.parts),
+            "prompt_tokens": sum(p.prompt_tokens for p in self.parts),
+            "completion_tokens": sum(p.completion_tokens for p in self.parts),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total": self.total(), "parts": [p.to_dict() for p in self.parts]}
+
+
+@dataclass
+class _WorkItem:
+    sample_id: str
+    dataset: str
+    messages: list[dict[str, Any]]
+
+
+@dataclass
+class _PartState:
+    prompts: PartRef
+    out: PartRef
+    order: list[str]
+    rows: dict[str, dict[str, Any]]
+    todo: list[_WorkItem]
+    summary: PartSummary
+    next_chunk: int
+    has_chunks: bool
+    was_done: bool
+    outstanding: int = 0
+    buffer: list[dict[str, Any]] = field(default_factory=list)
+    finalized: bool = False
+
+    @property
+    def chunk_dir(self) -> Path:
+        return chunk_dir(self.out)
+
+
+def chunk_dir(out: PartRef) -> Path:
+    return out.run_dir / STAGE / CHUNKS_DIR / part_name(out.part)
+
+
+def _empty_row(sample_id: str, dataset: str) -> dict[str, Any]:
+    row: dict[str, Any] = {name: None for name in RESPONSES.names}
+    row.update(sample_id=sample_id, dataset=dataset)
+    return row
+
+
+def _merge(rows: dict[str, dict[str, Any]], row: dict[str, Any]) -> None:
+    """Last row per sample wins, except that a "done" row is never replaced."""
+    existing = rows.get(row["sample_id"])
+    if existing is None or existing["status"] != "done":
+        rows[row["sample_id"]] = row
+
+
+def _read_chunk(path: Path) -> list[dict[str, Any]]:
+    check_schema(path, RESPONSES, STAGE)
+    rows: list[dict[str, Any]] = pq.read_table(path).select(RESPONSES.names).to_pylist()
+    return rows
+
+
+def _chunk_index(path: Path) -> int:
+    """Chunks are replayed in write order (later rows win), so order by number, not by name."""
+    return int(path.stem.split("-", 1)[1])
+
+
+def _load_part(prompts: PartRef) -> _PartState:
+    out = prompts.with_stage(STAGE)
+    table = read_part(prompts, columns=["sample_id", "dataset", "messages"])
+    items: dict[str, _WorkItem] = {}
+    for rec in table.to_pylist():
+        items.setdefault(rec["sample_id"], _WorkItem(rec["sample_id"], rec["dataset"], rec["messages"]))
+    rows: dict[str, dict[str, Any]] = {}
+    was_done = out.is_done()
+    if was_done:
+        for row in read_part(out, columns=list(RESPONSES.names)).to_pylist():
+            if row["sample_id"] in items:
+                _merge(rows, row)
+    cdir = chunk_dir(out)
+    chunks = sorted(cdir.glob("chunk-*.parquet"), key=_chunk_index) if cdir.is_dir() else []
+    for stale in cdir.glob(".chunk-*.tmp") if cdir.is_dir() else []:
+        stale.unlink(missing_ok=True)
+    for path in chunks:
+        for row in _read_chunk(path):
+            if row["sample_id"] in items:
+                _merge(rows, row)
+    next_chunk = max((_chunk_index(p) for p in chunks), default=-1) + 1
+    todo = [item for sid, item in items.items() if rows.get(sid, {}).get("status") != "done"]
+    summary = PartSummary(part=prompts.part, samples=len(items), skipped_already_done=len(items) - len(todo))
+    return _PartState(
+        prompts=prompts,
+        out=out,
+        order=list(items),
+        rows=rows,
+        todo=todo,
+        summary=summary,
+        next_chunk=next_chunk,
+        has_chunks=bool(chunks),
+        was_done=was_done,
+        outstanding=len(todo),
+    )
+
+
+def _table(rows: list[dict[str, Any]]) -> pa.Table:
+    return conform(pa.Table.from_pylist(rows, schema=RESPONSES), RESPONSES, STAGE)
+
+
+def _write_chunk(state: _PartState, rows: list[dict[str, Any]], provenance: dict[str, Any]) -> None:
+    path = state.chunk_dir / f"chunk-{state.next_chunk:06d}.parquet"
+    state.next_chunk += 1
+    write_parquet_atomic(path, _table(rows), stage_metadata(STAGE, provenance))
+    state.has_chunks = True
+
+
+def _finalize(state: _PartState, provenance: dict[str, Any]) -> None:
+    """Write the merged part (prompt order), then drop its chunks: they are now redundant."""
+    missing = [sid for sid in state.order if sid not in state.rows]
+    if missing:
+        raise RuntimeError(f"{state.out}: cannot finalize, {len(missing)} samples lack a row (first {missing[0]})")
+    rows = [state.rows[sid] for sid in state.order]
+    write_stage_part(state.out, _table(rows), provenance, stats=state.summary.to_dict())
+    shutil.rmtree(state.chunk_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        state.chunk_dir.parent.rmdir()
+    state.buffer.clear()
+    state.has_chunks = False
+    state.finalized = True
+
+
+class _Run:
+    """State of one generate run across all its parts (event-loop confined)."""
+
+    def __init__(self, cfg: PipelineConfig, states: list[_PartState], client: EndpointClient) -> None:
+        self.cfg = cfg
+        self.states = states
+        self.client = client
+        self.provenance = cfg.provenance()
+        self.uncommitted = 0
+        self.complete_parts = 0
+        self.last_commit = time.monotonic()
+        self._write_lock = asyncio.Lock()
+
+    def work(self) -> Iterator[tuple[_PartState, _WorkItem]]:
+        for state in self.states:
+            for item in state.todo:
+                yield state, item
+
+    async def process(self, state: _PartState, item: _WorkItem) -> tuple[_PartState, _WorkItem, SampleOutcome]:
+        messages = prompt_messages(item.messages)
+        if not any(m["role"] == "user" for m in messages):
+            return state, item, SampleOutcome(None, "empty_prompt", "prompt has no user turn", 0, None)
+        return state, item, await self.client.generate(messages)
+
+    def record(self, state: _PartState, item: _WorkItem, outcome: SampleOutcome) -> None:
+        summary = state.summary
+        summary.requests_sent += outcome.attempts
+        for retry in outcome.retry_reasons:
+            summary.retries_by_reason[retry] = summary.retries_by_reason.get(retry, 0) + 1
+        row = _empty_row(item.sample_id, item.dataset)
+        row.update(attempts=outcome.attempts, latency_s=outcome.latency_s)
+        reason, error = outcome.reason, outcome.error
+        result = outcome.result
+        if result is not None:
+            row.update({name: getattr(result, name) for name in RESULT_FIELDS})
+            summary.cost_usd += result.cost_usd or 0.0
+            summary.prompt_tokens += result.prompt_tokens or 0
+            summary.completion_tokens += result.completion_tokens or 0
+            if result.finish_reason == "length" and not self.cfg.endpoint.keep_length_truncated:
+                reason = "length"
+                error = _length_error(result, self.cfg.sampling.max_tokens)
+        if reason is None:
+            row["status"] = "done"
+            summary.done += 1
+        else:
+            row.update(status="failed", error=error)
+            summary.failed += 1
+            summary.failures_by_reason[reason] = summary.failures_by_reason.get(reason, 0) + 1
+        _merge(state.rows, row)
+        state.buffer.append(row)
+        state.outstanding -= 1
+        self.complete_parts += state.outstanding == 0
+        self.uncommitted += 1
+
+    def commit_due(self) -> bool:
+        if self.uncommitted == 0:
+            return False
+        ep = self.cfg.endpoint
+        return self.uncommitted >= ep.commit_every_samples or time.monotonic() - self.last_commit >= ep.commit_every_s
+
+    def seconds_to_commit(self) -> float | None:
+        """How long to wait for results before a time-based commit; None when there is nothing to commit."""
+        if self.uncommitted == 0:
+            return None
+        return max(0.0, self.last_commit + self.cfg.endpoint.commit_every_s - time.monotonic())
+
+    async def commit(self) -> None:
+        """Finalize complete parts, write the other buffers as chunks; file I/O runs off the event loop."""
+        async with self._write_lock:
+            for state in self.states:
+                if state.finalized:
+                    continue
+                if state.outstanding == 0:
+                    await asyncio.to_thread(_finalize, state, self.provenance)
+                    self.complete_parts -= 1
+                elif state.buffer:
+                    rows, state.buffer = state.buffer, []
+                    await asyncio.to_thread(_write_chunk, state, rows, self.provenance)
+            self.uncommitted = 0
+            self.last_commit = time.monotonic()
+
+    def commit_now(self) -> None:
+        """Synchronous commit for the failure path, where awaiting is no longer safe."""
+        for state in self.states:
+            if state.finalized:
+                continue
+            if state.outstanding == 0:
+                _finalize(state, self.provenance)
+                self.complete_parts -= 1
+            elif state.buffer:
+                rows, state.buffer = state.buffer, []
+                _write_chunk(state, rows, self.provenance)
+        self.uncommitted = 0
+
+
+def _length_error(result: GenerationResult, max_tokens: int) -> str:
+    return (
+        f"finish_reason=length: completion hit the token limit (max_tokens={max_tokens}, "
+        f"completion_tokens={result.completion_tokens}); endpoint.keep_length_truncated keeps such samples"
+    )
+
+
+async def _generate_async(
+    cfg: PipelineConfig,
+    states: list[_PartState],
+    markers: CompletionMarkers,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> None:
+    window = 2 * cfg.endpoint.max_in_flight
+    async with EndpointClient(cfg, markers, tokenizer) as client:
+        run = _Run(cfg, states, client)
+        work = run.work()
+        running: set[asyncio.Task[tuple[_PartState, _WorkItem, SampleOutcome]]] = set()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(running) < window:
+                    nxt = next(work, None)
+                    if nxt is None:
+                        exhausted = True
+                    else:
+                        running.add(asyncio.create_task(run.process(*nxt)))
+                if not running:
+                    break
+                finished, running = await asyncio.wait(
+                    running, timeout=run.seconds_to_commit(), return_when=asyncio.FIRST_COMPLETED
+                )
+                error: Exception | None = None
+                for task in finished:
+                    try:
+                        run.record(*task.result())
+                    except Exception as exc:  # FatalEndpointError above all: record the rest, then raise
+                        error = error or exc
+                if error is not None:
+                    raise error
+                if run.commit_due() or run.complete_parts:
+                    await run.commit()
+            await run.commit()
+        except BaseException:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            run.commit_now()
+            raise
+
+
+def _run_blocking(coro: Coroutine[Any, Any, None]) -> None:
+    """`asyncio.run`, or the same on a worker thread when the caller already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coro)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate") as pool:
+        pool.submit(asyncio.run, coro).result()
+
+
+def generate_parts(
+    cfg: PipelineConfig,
+    prompt_refs: list[PartRef],
+    markers: CompletionMarkers,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> GenerateSummary:
+    """Generate responses for `prompt_refs` (prompts parts); resumes from finished parts and committed chunks.
+
+    A part that already has a "done" row for every sample sends nothing. Raises `FatalEndpointError` (after
+    committing every finished result) when the endpoint refuses the whole run.
+    """
+    states = [_load_part(ref) for ref in prompt_refs]
+    provenance = cfg.provenance()
+    for state in states:
+        if not state.todo and (state.has_chunks or not state.was_done):
+            _finalize(state, provenance)
+        elif not state.todo:
+            state.finalized = True
+    pending = [s for s in states if not s.finalized]
+    if pending:
+        if cfg.endpoint.kind == "sglang_generate" and tokenizer is None:
+            tokenizer = load_tokenizer(cfg.tokenizer)
+        _run_blocking(_generate_async(cfg, pending, markers, tokenizer))
+    return GenerateSummary(parts=[s.summary for s in states])
