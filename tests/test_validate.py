@@ -1,0 +1,177 @@
+"""Validation over real reconstructed parts: reference classification (planted non-canonical split and planted
+text change), structural issues, billing deltas, the per-dataset summary and the gates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from endpoint_sim.assets import write_tokenizer_dir
+from tasks.completion_format import PRESETS
+from tasks.config import PipelineConfig, TokenizerConfig, ValidationConfig
+from tasks.errors import ValidationGateError
+from tasks.messages import Message
+from tasks.reconstruct import reconstruct_part
+from tasks.shards import PartRef, read_part
+from tasks.tokenizer_loading import load_tokenizer
+from tasks.validate import check_gates, summarize_validation, validate_part
+from tests.test_reconstruct import make_cfg, response_row, sid_of, write_inputs
+
+DEMO = PRESETS["deepseek_v31_thinking"]
+EOS = "<｜end▁of▁sentence｜>"
+REASONING = "Recall the truth table."
+CONTENT = "A NOR gate is an OR gate followed by NOT."
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir: Path) -> PreTrainedTokenizerBase:
+    return load_tokenizer(TokenizerConfig(path=tok_dir))
+
+
+def conv(i: int) -> list[Message]:
+    return [Message(role="user", content=f"Question number {i}: explain NOR gates.")]
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids
+
+
+def run_part(cfg: PipelineConfig, part: int, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Write one prompts/responses part from `cases` (response_row overrides), reconstruct, validate."""
+    convs = [conv(part * 100 + i) for i in range(len(cases))]
+    rows = [
+        response_row(sid_of(c), case.pop("reasoning", REASONING), case.pop("content", CONTENT), **case)
+        for c, case in zip(convs, cases, strict=True)
+    ]
+    write_inputs(cfg.run_dir, part, convs, rows)
+    reconstruct_part(cfg, part, DEMO)
+    stats = validate_part(cfg, part, DEMO)
+    assert stats["rows"] == sum(r["status"] == "done" for r in rows)
+    out = read_part(PartRef(cfg.run_dir, "validation", part)).to_pylist()
+    by_sid = {r["sample_id"]: r for r in out}
+    return {
+        str(i): by_sid[sid_of(c)] for i, (c, r) in enumerate(zip(convs, rows, strict=True)) if r["status"] == "done"
+    }
+
+
+def test_reference_classification(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
+    nor = encode(tokenizer, " NOR")
+    assert len(nor) == 1
+    split = encode(tokenizer, " ") + encode(tokenizer, "NOR")
+    assert len(split) == 2 and tokenizer.decode(split) == " NOR"
+    at = completion.index(nor[0])
+    non_canonical = [*completion[:at], *split, *completion[at + 1 :]]
+    changed = encode(tokenizer, f"{REASONING}</think>{CONTENT.replace('NOT', 'XOR')}{EOS}")
+
+    cfg = make_cfg(tmp_path, tok_dir)
+    rows = run_part(
+        cfg,
+        0,
+        [
+            {"output_ids": completion},
+            {"output_ids": completion[:-1]},  # a reference without the stop token
+            {"output_ids": non_canonical},
+            {"output_ids": changed},
+            {},
+        ],
+    )
+    assert [rows[k]["reference_match"] for k in "01234"] == [
+        "exact",
+        "exact",
+        "bpe_artifact",
+        "real_difference",
+        "no_reference",
+    ]
+    assert [rows[k]["verdict"] for k in "01234"] == ["pass", "pass", "warn", "fail", "pass"]
+    assert rows["2"]["first_divergence"] == at
+    real = rows["3"]
+    assert real["first_divergence"] == changed.index(encode(tokenizer, " XOR")[0])
+    assert "XOR" in real["divergence_reference"] and "NOT" in real["divergence_ours"]
+
+
+def test_structural_issues(tmp_path: Path, tok_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tok_dir)
+    cases: list[dict[str, Any]] = [
+        {"content": "Sure.</think>Actually the answer."},
+        {"content": "Hello <｜User｜> again"},
+        {"reasoning": "x<think>y"},
+        {"reasoning": ""},
+        {"content": "  "},
+        {"finish_reason": "length"},
+        {"content": 'Calling <tool_call>{"name": "f", "arguments": {}}'},
+        {"content": "<tool_call>{not json}</tool_call>"},
+        {"content": 'fine <tool_call>{"name": "f", "arguments": {}}</tool_call>'},
+    ]
+    rows = run_part(cfg, 0, cases)
+    issues = {k: v["structural_issues"] for k, v in rows.items()}
+    verdicts = {k: v["verdict"] for k, v in rows.items()}
+    assert issues["0"] == ["close_tag_in_content"] and verdicts["0"] == "fail"
+    assert issues["1"] == ["special_token_in_content:<｜User｜>"] and verdicts["1"] == "fail"
+    assert issues["2"] == ["open_tag_in_reasoning"] and verdicts["2"] == "fail"
+    assert issues["3"] == ["empty_reasoning"] and verdicts["3"] == "warn"
+    assert issues["4"] == ["empty_content"] and verdicts["4"] == "warn"
+    assert issues["5"] == ["finish_reason:length"] and verdicts["5"] == "fail"
+    assert issues["6"] == ["tool_call_unclosed"] and verdicts["6"] == "warn"
+    assert issues["7"] == ["tool_call_invalid_json"] and verdicts["7"] == "warn"
+    assert issues["8"] == [] and verdicts["8"] == "pass"
+
+
+def test_billing_delta_is_flagged(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    ours = len(encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}"))
+    cfg = make_cfg(tmp_path, tok_dir)
+    rows = run_part(cfg, 0, [{"completion_tokens": ours}, {"completion_tokens": ours + 10}])
+    assert rows["0"]["billing_delta_tokens"] == 0 and rows["0"]["verdict"] == "pass"
+    flagged = rows["1"]
+    assert flagged["our_completion_tokens"] == ours and flagged["billed_completion_tokens"] == ours + 10
+    assert flagged["billing_delta_tokens"] == 10
+    assert flagged["billing_delta_frac"] == pytest.approx(10 / ours)
+    assert flagged["verdict"] == "warn"
+
+
+def test_summary_and_gates(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
+    changed = encode(tokenizer, f"{REASONING}</think>Something else entirely.{EOS}")
+    cfg = make_cfg(tmp_path, tok_dir)
+    run_part(
+        cfg,
+        0,
+        [
+            {"output_ids": completion, "provider": "alpha", "completion_tokens": len(completion)},
+            {"output_ids": changed, "provider": "beta", "completion_tokens": len(completion) + 5},
+            {"status": "failed", "error": "HTTP 500", "provider": "beta"},
+        ],
+    )
+    run_part(cfg, 1, [{"provider": "alpha"}])
+
+    (summary,) = summarize_validation(cfg)
+    assert summary["dataset"] == "demo"
+    assert (summary["responses"], summary["failed_responses"], summary["samples"]) == (4, 1, 3)
+    assert (summary["pass"], summary["warn"], summary["fail"]) == (2, 0, 1)
+    assert (summary["exact"], summary["real_difference"], summary["no_reference"]) == (1, 1, 1)
+    assert summary["referenced"] == 2 and summary["real_difference_rate"] == pytest.approx(0.5)
+    assert summary["failed_rate"] == pytest.approx(0.25)
+    assert summary["providers"] == {"alpha": 2, "beta": 2}
+    assert summary["billing"]["delta_tokens"] == 5 and summary["billing"]["flagged_samples"] == 1
+
+    with pytest.raises(ValidationGateError, match=r"'demo': real_difference_rate 0\.5000 \(1/2"):
+        check_gates([summary], ValidationConfig())
+    with pytest.raises(ValidationGateError, match=r"failed_rate 0\.2500 \(1/4 responses\) > max_failed_rate 0\.1"):
+        check_gates([summary], ValidationConfig(max_real_difference_rate=1.0, max_failed_rate=0.1))
+    check_gates([summary], ValidationConfig(max_real_difference_rate=0.5, max_failed_rate=0.25))
+
+
+def test_rerun_reuses_the_done_part(tmp_path: Path, tok_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tok_dir)
+    run_part(cfg, 0, [{}])
+    again = validate_part(cfg, 0, DEMO)
+    assert again["reused"] and again["rows"] == 1
