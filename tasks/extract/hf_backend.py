@@ -1,11 +1,11 @@
-"""Hidden-state capture with transformers: the target model runs once per batch and only the tensors the drafter
-needs leave it.
+"""Hidden-state capture with transformers: the target model runs once per batch and only the tensors the
+drafter needs leave it.
 
-Forward hooks on the configured decoder layers and on the final norm collect exactly four tensors per batch; the
-base model (`get_decoder()`) runs instead of the CausalLM, so no lm_head logits ([T, vocab], by far the largest
-activation) are ever computed, and `output_hidden_states` is not requested, so the other N - 3 layer outputs are
-never kept. Batches are packed by a padded-token budget over length-sorted samples, longest first, so an
-out-of-memory budget fails on the first batch rather than hours in.
+Forward hooks on the configured decoder layers and on the final norm collect exactly four tensors per batch;
+the base model (`get_decoder()`) runs instead of the CausalLM, so no lm_head logits ([T, vocab], by far the
+largest activation) are ever computed, and `output_hidden_states` is not requested, so the other N - 3 layer
+outputs are never kept. Batches are packed by a padded-token budget over length-sorted samples, longest first,
+so an out-of-memory budget fails on the first batch rather than hours in.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import transformers
@@ -22,20 +22,15 @@ from transformers import AutoModelForCausalLM
 
 from tasks.errors import ConfigError
 from tasks.extract.layers import resolve_layers
+from tasks.extract.storage import DTYPES
 
 if TYPE_CHECKING:
     from tasks.config import PipelineConfig
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-
 
 @dataclass(frozen=True)
 class CapturedStates:
-    """One sample's states, unpadded, on CPU: `aux` [T, 3H] (layers concatenated in layer order), `final` [T, H]."""
+    """One sample's states, unpadded, on CPU: `aux` [T, 3H] (layers concatenated in order), `final` [T, H]."""
 
     aux: torch.Tensor
     final: torch.Tensor
@@ -86,7 +81,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _tensor_output(output: Any) -> torch.Tensor:
-    """Decoder layers return a tensor in transformers 5 and a tuple (hidden, ...) in older or remote-code models."""
+    """Decoder layers return a tensor in transformers 5, a tuple (hidden, ...) in older or remote code."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -95,7 +90,7 @@ def _tensor_output(output: Any) -> torch.Tensor:
 
 
 class HFHiddenStateRunner:
-    """A target model loaded from a local directory, with hooks that capture aux and final states per batch."""
+    """A target model loaded from a local directory, with hooks capturing aux and final states per batch."""
 
     backend = "hf"
 
@@ -118,7 +113,7 @@ class HFHiddenStateRunner:
         self.device = resolve_device(device)
         self.max_tokens_per_batch = max_tokens_per_batch
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype, local_files_only=True)
-        model.to(self.device)
+        cast(nn.Module, model).to(self.device)
         model.eval()
         self._model = model
         text_config = model.config.get_text_config()
@@ -139,7 +134,10 @@ class HFHiddenStateRunner:
             raise ConfigError(f"config says {self.num_layers} layers, the decoder holds {len(decoder_layers)}")
         self._captured: dict[str, torch.Tensor] = {}
         self._aux_keys = [f"layer{k}" for k in self.layers]
-        self._hooks = [decoder_layers[k].register_forward_hook(self._hook(key)) for k, key in zip(self.layers, self._aux_keys, strict=True)]
+        self._hooks = [
+            decoder_layers[k].register_forward_hook(self._hook(key))
+            for k, key in zip(self.layers, self._aux_keys, strict=True)
+        ]
         self._hooks.append(norm.register_forward_hook(self._hook("final")))
         self.forward_passes = 0
 

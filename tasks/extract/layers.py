@@ -1,12 +1,12 @@
 """Which decoder layers an EAGLE-3 drafter reads, and the one indexing convention every backend follows.
 
-Convention: the captured output of layer id k (0-based) is the residual stream leaving decoder layer k, which is
-HF `output_hidden_states[k + 1]` (index 0 is the embedding output). The "final" state is the output of the model's
-final norm, i.e. what the lm_head consumes. In transformers 5.x `output_hidden_states[-1]` is that post-norm
-state (it replaces the raw output of the last layer), so `[k + 1]` is only the raw layer-k output for
-k <= N - 2. Layer N - 1 is therefore not a valid auxiliary layer: its raw output is one norm away from the final
-state the drafter already receives, and it would make the convention ambiguous. `tests/test_extract.py` checks
-both halves of this against a real forward pass.
+Convention: the captured output of layer id k (0-based) is the residual stream leaving decoder layer k, which
+is HF `output_hidden_states[k + 1]` (index 0 is the embedding output). The "final" state is the output of the
+model's final norm, i.e. what the lm_head consumes. In transformers 5.x `output_hidden_states[-1]` is that
+post-norm state (it replaces the raw output of the last layer), so `[k + 1]` is only the raw layer-k output
+for k <= N - 2. Layer N - 1 is therefore not a valid auxiliary layer: its raw output is one norm away from the
+final state the drafter already receives, and it would make the convention ambiguous. `tests/test_extract.py`
+checks both halves of this against a real forward pass.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class LayerSelectionError(ConfigError):
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high choice: [1, N//2 - 1, N - 4]; needs N >= 7 for the three to be distinct and increasing."""
+    """EAGLE-3's low/mid/high choice: [1, N//2 - 1, N - 4]; N >= 7 keeps the three distinct and increasing."""
     if num_layers < MIN_LAYERS:
         raise LayerSelectionError([], num_layers, f"the default needs at least {MIN_LAYERS} decoder layers")
     return [1, num_layers // 2 - 1, num_layers - 4]
