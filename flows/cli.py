@@ -76,24 +76,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+SUMMARY_ROWS = (
+    "responses",
+    "failed_responses",
+    "pass",
+    "warn",
+    "fail",
+    "exact",
+    "bpe_artifact",
+    "real_difference",
+    "no_reference",
+)
+
+
 def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     console.print(f"\n[bold]eagle3-datagen demo finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
-    table = Table(title="validation summary (per dataset)")
     summary = stats["validation_summary"]
-    keys = [k for k in summary[0] if not isinstance(summary[0][k], dict | list)] if summary else []
-    for key in keys:
-        table.add_column(key)
+    table = Table(title="validation summary")
+    table.add_column("metric")
     for row in summary:
-        table.add_row(*(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+        table.add_column(str(row["dataset"]), justify="right")
+    for key in SUMMARY_ROWS:
+        table.add_row(key, *(str(row.get(key, "")) for row in summary))
+    table.add_row("billing delta (tokens)", *(str(row["billing"]["delta_tokens"]) for row in summary))
+    table.add_row("billing delta (frac)", *(f"{row['billing']['delta_frac']:.4%}" for row in summary))
     console.print(table)
     prep = stats["prepare"]
+    gen = stats["generate"]["total"]
     console.print(
         f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
-        f"({prep['quarantine_path']}); hidden-state parts {len(stats.get('extract', []))}"
+        f"({prep['quarantine_path']})\n"
+        f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
+        f"hidden-state parts {len(stats.get('extract', []))}; report: {stats['run_dir']}/validation/report.md"
     )
 
 

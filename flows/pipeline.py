@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from blocks.endpoint import InferenceEndpointBlock
 from flows.retry_policy import retry_transient
 from tasks.completion_format import CompletionFormat, resolve_format
 from tasks.config import PipelineConfig, load_config
@@ -49,9 +50,7 @@ def _format(cfg: PipelineConfig) -> CompletionFormat:
 def prepare_task(cfg: PipelineConfig) -> dict[str, Any]:
     result = prepare_datasets(cfg)
     if result.quarantined:
-        get_run_logger().warning(
-            "%d malformed rows quarantined in %s", result.quarantined, result.quarantine_path
-        )
+        get_run_logger().warning("%d malformed rows quarantined in %s", result.quarantined, result.quarantine_path)
     return result.to_dict()
 
 
@@ -143,8 +142,7 @@ def _markdown_summary(stats: dict[str, Any]) -> str:
     lines = [
         f"# eagle3-datagen run `{stats['run_dir']}`",
         f"- wall time: {stats['wall_s']} s",
-        f"- prompts: {sum(d['kept'] for d in prep['datasets'].values())} kept, "
-        f"{prep['quarantined']} quarantined",
+        f"- prompts: {sum(d['kept'] for d in prep['datasets'].values())} kept, {prep['quarantined']} quarantined",
         f"- generate: {json.dumps(gen.get('total', gen), default=str)}",
         f"- tokens parts: {len(stats['reconstruct'])}, validation parts: {len(stats['validate'])}, "
         f"extract parts: {len(stats.get('extract', []))}",
@@ -152,15 +150,28 @@ def _markdown_summary(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def resolve_config(config_path: str, overrides: dict[str, Any] | None, endpoint_block: str | None) -> PipelineConfig:
+    cfg = load_config(Path(config_path), overrides)
+    if endpoint_block:
+        block = cast(InferenceEndpointBlock, InferenceEndpointBlock.load(endpoint_block))
+        cfg = cfg.model_copy(update={"endpoint": block.to_endpoint_config(cfg.endpoint)})
+    return cfg
+
+
 @flow(name="eagle3-pipeline", log_prints=True)
-def pipeline(config_path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run every stage; each resumes from the completion markers already in the run directory."""
-    return run_pipeline(load_config(Path(config_path), overrides))
+def pipeline(
+    config_path: str, overrides: dict[str, Any] | None = None, endpoint_block: str | None = None
+) -> dict[str, Any]:
+    """Run every stage; each resumes from the completion markers already in the run directory.
+
+    `endpoint_block` names an InferenceEndpointBlock whose fields (and secret key) replace the YAML's endpoint.
+    """
+    return run_pipeline(resolve_config(config_path, overrides, endpoint_block))
 
 
 @flow(name="eagle3-extract", log_prints=True)
 def extract_flow(config_path: str, overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Hidden-state extraction alone: the flow the GPU work pool runs over an existing run directory."""
-    cfg = load_config(Path(config_path), overrides)
+    cfg = resolve_config(config_path, overrides, None)
     parts = sorted(int(p.stem.split("-")[1]) for p in (cfg.run_dir / "tokens").glob("part-*.parquet"))
     return run_extract(cfg, parts)

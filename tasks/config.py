@@ -114,7 +114,9 @@ class ExtractConfig(StrictModel):
     enabled: bool = True
     backend: Literal["hf", "sglang"] = "hf"
     model_path: Path | None = Field(default=None, description="Defaults to tokenizer.path.")
-    layers: list[int] | None = Field(default=None, description="0-based decoder-layer outputs; default [1, N//2-1, N-4].")
+    layers: list[int] | None = Field(
+        default=None, description="0-based decoder-layer outputs; default [1, N//2-1, N-4]."
+    )
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = "auto"
     max_tokens_per_batch: int = Field(default=8192, ge=1)

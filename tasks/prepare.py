@@ -168,8 +168,8 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
             )
         done = {r.part for r in done_parts(cfg.run_dir, "prompts")}
         if set(manifest["parts"]) <= done:
-            counts = {k: DatasetCounts(**v) for k, v in manifest["datasets"].items()}
-            return PrepareResult(manifest["parts"], counts, stage_dir / QUARANTINE, reused=True)
+            reused = {k: DatasetCounts(**v) for k, v in manifest["datasets"].items()}
+            return PrepareResult(manifest["parts"], reused, stage_dir / QUARANTINE, reused=True)
 
     counts: dict[str, DatasetCounts] = {}
     quarantine: list[str] = []

@@ -90,7 +90,9 @@ def test_sample_ids_are_content_keyed_and_per_dataset(tmp_path: Path) -> None:
     ids = []
     for cfg in (a, b, c):
         prepare_datasets(cfg)
-        ids.append(set(pa.concat_tables([read_part(r) for r in done_parts(cfg.run_dir, "prompts")])["sample_id"].to_pylist()))
+        ids.append(
+            set(pa.concat_tables([read_part(r) for r in done_parts(cfg.run_dir, "prompts")])["sample_id"].to_pylist())
+        )
     assert ids[0] == ids[1]
     assert not ids[0] & ids[2]
 
