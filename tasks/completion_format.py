@@ -2,24 +2,32 @@
 
 APIs return `reasoning` and `content` separately, never ids. The ids the model produced are recovered as
 `encode(rendered prompt) + encode(completion_text(fmt, reasoning, content))`: the completion is laid out
-exactly as the model emits it (reasoning-open tag unless the generation prompt already holds it, reasoning,
-close tag, separator, content, end-of-turn token). The finished conversation is never re-rendered: chat
-templates rewrite history (the demo template and Kimi-K2 drop reasoning from assistant turns), so a re-render
-is not what the model saw.
+exactly as the model emits it (reasoning-open literal unless the generation prompt already holds it,
+reasoning, close literal, separator, content, end-of-turn token). The finished conversation is never
+re-rendered: chat templates rewrite history (DeepSeek-V3.1 and Kimi-K2 drop reasoning from assistant turns,
+Qwen3 from turns before the last user query, gpt-oss turns the final `<|return|>` into `<|end|>`), so a
+re-render is not what the model saw.
 
-A preset is only trusted after it agrees with what the tokenizer's own chat template shows (`resolve_format`):
-a format/template mismatch corrupts every sample in the same way, so it must fail before the first one.
+A preset is only trusted after it agrees with what the tokenizer's own chat template shows (`check_format`,
+`resolve_format`): the template is rendered with sentinel conversations and the layout is read off the text.
+A format/template mismatch corrupts every sample in the same way, so it fails (or, by config, warns) before
+the first one.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
+from tasks.config import PipelineConfig
 from tasks.errors import ConfigError
 from tasks.tokenizer_loading import added_tokens
+
+log = logging.getLogger(__name__)
 
 KNOWN_REASONING_TAGS: tuple[tuple[str, str], ...] = (("<think>", "</think>"), ("◁think▷", "◁/think▷"))
 
@@ -31,9 +39,11 @@ class CompletionFormat:
     `open_in_prompt`: the generation prompt already ends with `reasoning_open + reasoning_pad`, so the model's
     output starts directly with the reasoning. `reasoning_pad`: whitespace the model writes inside the tags on
     both sides of the reasoning (Qwen3 writes `<think>\\n...\\n</think>`). `content_separator`: text between
-    the close tag and the content. `pinned_ids`: ids known from the model card; a tokenizer that disagrees is
-    rejected (Kimi-K2's `<|im_end|>` is 163586; assuming 163533, which decodes to "chas", once corrupted a run
-    silently).
+    the close literal and the content. The literals may span several control tokens and text (gpt-oss closes
+    its analysis channel with `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then
+    names the control tokens inside them, each of which must be exactly one id. `pinned_ids`: ids known from
+    the model card; a tokenizer that disagrees is rejected (Kimi-K2's `<|im_end|>` is 163586; assuming 163533,
+    which decodes to "chas", once corrupted a run silently).
     """
 
     name: str
@@ -44,6 +54,7 @@ class CompletionFormat:
     reasoning_pad: str = ""
     content_separator: str = ""
     pinned_ids: tuple[tuple[str, int], ...] = ()
+    control_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.reasoning_open is None) != (self.reasoning_close is None):
@@ -52,6 +63,14 @@ class CompletionFormat:
             raise ConfigError(f"completion format {self.name!r}: reasoning fields set on a format without reasoning")
         if not self.end_of_turn:
             raise ConfigError(f"completion format {self.name!r}: end_of_turn is empty")
+        literals = "\x00".join(self.literals())
+        missing = [t for t in (*self.control_tokens, *dict(self.pinned_ids)) if t not in literals]
+        if missing:
+            raise ConfigError(f"completion format {self.name!r}: control tokens {missing} are in none of its literals")
+
+    def literals(self) -> tuple[str, ...]:
+        """The text the format itself adds around reasoning and content."""
+        return tuple(t for t in (self.reasoning_open, self.reasoning_close, self.end_of_turn) if t is not None)
 
     @property
     def has_reasoning(self) -> bool:
@@ -59,8 +78,7 @@ class CompletionFormat:
 
     def special_tokens(self) -> tuple[str, ...]:
         """The control-token strings this format relies on; each must encode to exactly one id."""
-        tags = (self.reasoning_open, self.reasoning_close) if self.has_reasoning else ()
-        return tuple(t for t in (*tags, self.end_of_turn) if t is not None)
+        return self.control_tokens or self.literals()
 
     def markers(self) -> tuple[str, str]:
         """(reasoning_close, end_of_turn), as `tasks.generate.endpoints.CompletionMarkers` takes them: what a
@@ -75,16 +93,39 @@ class CompletionFormat:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
+DEEPSEEK_PINS = ((DEEPSEEK_EOS, 1),)
+QWEN3_PINS = (("<think>", 151667), ("</think>", 151668), ("<|im_end|>", 151645))
+KIMI_PINS = (("<|im_end|>", 163586),)
+HARMONY_CONTROLS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
+HARMONY_PINS = (
+    ("<|return|>", 200002),
+    ("<|channel|>", 200005),
+    ("<|start|>", 200006),
+    ("<|end|>", 200007),
+    ("<|message|>", 200008),
+)
+
+
+def _thinking(name: str, open_in_prompt: bool, end_of_turn: str, pins: tuple[tuple[str, int], ...]) -> CompletionFormat:
+    return CompletionFormat(name, "<think>", open_in_prompt, "</think>", end_of_turn, pinned_ids=pins)
+
+
+def _instruct(name: str, end_of_turn: str, pins: tuple[tuple[str, int], ...]) -> CompletionFormat:
+    return CompletionFormat(name, None, False, None, end_of_turn, pinned_ids=pins)
+
+
+# Families users train drafters for. Pins are ids confirmed from the released tokenizers. Where two names
+# share one layout (DeepSeek V3.1/V3.2; Kimi-K2-Instruct and K2.5 with thinking off), derivation returns the
+# first; resolving either name against a template of that layout succeeds.
 PRESETS: dict[str, CompletionFormat] = {
     f.name: f
     for f in (
-        CompletionFormat(
-            name="deepseek_v31_thinking",
-            reasoning_open="<think>",
-            open_in_prompt=True,
-            reasoning_close="</think>",
-            end_of_turn="<｜end▁of▁sentence｜>",
-        ),
+        # V3.1/V3.2 thinking: the generation prompt ends in `<think>` (chat-template kwarg thinking=True).
+        _thinking("deepseek_v31_thinking", True, DEEPSEEK_EOS, DEEPSEEK_PINS),
+        _instruct("deepseek_v31_instruct", DEEPSEEK_EOS, DEEPSEEK_PINS),
+        _thinking("deepseek_v32_thinking", True, DEEPSEEK_EOS, DEEPSEEK_PINS),
+        _instruct("deepseek_v32_instruct", DEEPSEEK_EOS, DEEPSEEK_PINS),
         CompletionFormat(
             name="qwen3_thinking",
             reasoning_open="<think>",
@@ -93,22 +134,25 @@ PRESETS: dict[str, CompletionFormat] = {
             end_of_turn="<|im_end|>",
             reasoning_pad="\n",
             content_separator="\n\n",
+            pinned_ids=QWEN3_PINS,
         ),
+        # Qwen3 with enable_thinking=False (the prompt already holds an empty think block) and Qwen3-2507-Instruct.
+        _instruct("qwen3_instruct", "<|im_end|>", (("<|im_end|>", 151645),)),
+        _thinking("kimi_k2_thinking", False, "<|im_end|>", KIMI_PINS),
+        _instruct("kimi_k2_instruct", "<|im_end|>", KIMI_PINS),
+        # K2.5 thinking: the generation prompt ends in `<think>`; thinking=False ends it in `<think></think>`.
+        _thinking("kimi_k25_thinking", True, "<|im_end|>", KIMI_PINS),
+        _instruct("kimi_k25_instruct", "<|im_end|>", KIMI_PINS),
+        # Harmony: generation prompt `<|start|>assistant`; the model writes its analysis channel, ends it, opens
+        # the final channel and ends the turn with `<|return|>`.
         CompletionFormat(
-            name="kimi_k2_thinking",
-            reasoning_open="<think>",
+            name="gpt_oss_harmony",
+            reasoning_open="<|channel|>analysis<|message|>",
             open_in_prompt=False,
-            reasoning_close="</think>",
-            end_of_turn="<|im_end|>",
-            pinned_ids=(("<|im_end|>", 163586),),
-        ),
-        CompletionFormat(
-            name="kimi_k2_instruct",
-            reasoning_open=None,
-            open_in_prompt=False,
-            reasoning_close=None,
-            end_of_turn="<|im_end|>",
-            pinned_ids=(("<|im_end|>", 163586),),
+            reasoning_close="<|end|><|start|>assistant<|channel|>final<|message|>",
+            end_of_turn="<|return|>",
+            pinned_ids=HARMONY_PINS,
+            control_tokens=HARMONY_CONTROLS,
         ),
     )
 }
@@ -175,15 +219,6 @@ def completion_text(fmt: CompletionFormat, reasoning: str | None, content: str |
     return completion_layout(fmt, reasoning, content).text
 
 
-@dataclass(frozen=True)
-class TokenSpans:
-    """Token counts of a completion's spans, in order: reasoning section, content, end-of-turn."""
-
-    reasoning: int
-    content: int
-    end_of_turn: int
-
-
 def loss_mask_values(loss_on_reasoning: bool, loss_on_end_of_turn: bool) -> tuple[int, int, int, int]:
     """Mask value of (prompt, reasoning section, content, end-of-turn): the prompt never carries loss."""
     return (0, int(loss_on_reasoning), 1, int(loss_on_end_of_turn))
@@ -192,11 +227,35 @@ def loss_mask_values(loss_on_reasoning: bool, loss_on_end_of_turn: bool) -> tupl
 SENTINEL_USER = "SentinelUserTurnQx7"
 SENTINEL_REASONING = "SentinelReasoningQx7"
 SENTINEL_CONTENT = "SentinelContentQx7"
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+SENTINEL_TOOL_CALL = {
+    "id": "functions.sentinel_tool:0",
+    "type": "function",
+    "function": {"name": "sentinel_tool", "arguments": "{}"},
+}
+COMPARED_FIELDS = frozenset(
+    {
+        "has_reasoning",
+        "reasoning_open",
+        "open_in_prompt",
+        "reasoning_close",
+        "end_of_turn",
+        "reasoning_pad",
+        "content_separator",
+    }
+)
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation: bool) -> str:
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    generation: bool,
+    template_kwargs: Mapping[str, Any],
+) -> str:
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation, **dict(template_kwargs)
+        )
     except Exception as exc:
         raise ConfigError(f"cannot render the tokenizer's chat template with sentinel messages: {exc}") from exc
     if not isinstance(text, str):
@@ -209,75 +268,215 @@ def _longest_prefix(text: str, candidates: set[str]) -> str | None:
     return max(hits, key=len) if hits else None
 
 
-def _derive(tokenizer: PreTrainedTokenizerBase) -> tuple[CompletionFormat, frozenset[str]]:
-    """Read the format off the chat template; also return which fields the template actually showed.
+def controls_in(text: str, controls: set[str]) -> tuple[str, ...]:
+    """The control tokens inside `text`, left to right (longest match first, as the tokenizer splits them)."""
+    found, at = [], 0
+    while at < len(text):
+        hit = _longest_prefix(text[at:], controls)
+        if hit is None:
+            at += 1
+            continue
+        found.append(hit)
+        at += len(hit)
+    return tuple(dict.fromkeys(found))
 
-    A template that drops reasoning from assistant turns hides the padding (and, if it shows no tags at all,
-    whether the model reasons): those fields are not claimed, so a cross-check only compares what was seen.
+
+def _last_control(text: str, controls: set[str]) -> int:
+    """Start of the last control token in `text`, or -1."""
+    best = -1
+    for c in controls:
+        at = text.rfind(c)
+        if at >= 0 and at + len(c) == len(text.rstrip()) and at > best:
+            best = at
+    return best
+
+
+def _trailing_ws(text: str) -> str:
+    return text[len(text.rstrip()) :]
+
+
+@dataclass(frozen=True)
+class _Renders:
+    header: str
+    turns: tuple[str, ...]
+    end_of_turn: str
+    controls: set[str]
+
+
+def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any]) -> _Renders:
+    """The generation prompt and the finished assistant turn(s) after a sentinel user turn.
+
+    The second view gives the assistant turn tool calls: Kimi-K2 renders reasoning only for assistant turns
+    after the last plain assistant turn, i.e. inside an agentic tool-call sequence.
     """
     user = [{"role": "user", "content": SENTINEL_USER}]
-    base = _render(tokenizer, user, False)
-    gen = _render(tokenizer, user, True)
-    assistant = {"role": "assistant", "content": SENTINEL_CONTENT, "reasoning_content": SENTINEL_REASONING}
-    full = _render(tokenizer, [*user, assistant], False)
-    if not gen.startswith(base) or not full.startswith(base):
-        raise ConfigError("chat template: the generation prompt / assistant turn does not extend the user turn")
-    header, turn = gen[len(base) :], full[len(base) :]
-    at = turn.find(SENTINEL_CONTENT)
+    base = _render(tokenizer, user, False, template_kwargs)
+    gen = _render(tokenizer, user, True, template_kwargs)
+    if not gen.startswith(base):
+        raise ConfigError(f"chat template: the generation prompt does not extend the user turn ({gen!r})")
+    turns = []
+    for with_tools in (False, True):
+        assistant: dict[str, Any] = {"role": "assistant", "content": SENTINEL_CONTENT}
+        assistant.update({key: SENTINEL_REASONING for key in REASONING_KEYS})
+        if with_tools:
+            assistant["tool_calls"] = [SENTINEL_TOOL_CALL]
+        try:
+            full = _render(tokenizer, [*user, assistant], False, template_kwargs)
+        except ConfigError:
+            if with_tools:
+                continue
+            raise
+        if not full.startswith(base):
+            if with_tools:
+                continue
+            raise ConfigError(f"chat template: the assistant turn does not extend the user turn ({full!r})")
+        turns.append(full[len(base) :])
+    plain = turns[0]
+    at = plain.find(SENTINEL_CONTENT)
     if at < 0:
-        raise ConfigError(f"chat template does not render assistant content; rendered turn: {turn!r}")
-    after = turn[at + len(SENTINEL_CONTENT) :]
-    end_of_turn = _longest_prefix(after, set(added_tokens(tokenizer).values()))
+        raise ConfigError(f"chat template does not render assistant content; rendered turn: {plain!r}")
+    if any(t.count(SENTINEL_REASONING) > 1 for t in turns):
+        raise ConfigError(f"chat template renders the reasoning more than once: {turns!r}")
+    controls = set(added_tokens(tokenizer).values())
+    after = plain[at + len(SENTINEL_CONTENT) :]
+    end_of_turn = _longest_prefix(after, controls)
     if end_of_turn is None:
         raise ConfigError(f"chat template: assistant content is followed by {after[:40]!r}, not a special token")
-    before = turn[:at]
-    seen = {"end_of_turn", "has_reasoning", "reasoning_open", "reasoning_close", "open_in_prompt"}
-    r = before.find(SENTINEL_REASONING)
-    if r >= 0:
-        pre, mid = before[:r], before[r + len(SENTINEL_REASONING) :]
-        for opening, closing in KNOWN_REASONING_TAGS:
-            open_at, close_at = pre.rfind(opening), mid.find(closing)
-            if open_at < 0 or close_at < 0:
-                continue
-            pad, close_pad = pre[open_at + len(opening) :], mid[:close_at]
-            if pad != close_pad or pad.strip():
-                raise ConfigError(
-                    f"chat template pads reasoning unlike any supported format ({pad!r} after {opening!r}, "
-                    f"{close_pad!r} before {closing!r})"
-                )
-            fmt = CompletionFormat(
-                name="derived",
-                reasoning_open=opening,
-                open_in_prompt=header.endswith(opening + pad),
-                reasoning_close=closing,
-                end_of_turn=end_of_turn,
-                reasoning_pad=pad,
-                content_separator=mid[close_at + len(closing) :],
-            )
-            return fmt, frozenset(seen | {"reasoning_pad", "content_separator"})
-        raise ConfigError(f"chat template shows reasoning without known reasoning tags: {before!r}")
-    for opening, closing in KNOWN_REASONING_TAGS:
-        in_prompt = header.endswith(opening)
-        close_at = before.find(closing)
-        if close_at < 0 and not in_prompt:
-            continue
-        fmt = CompletionFormat(
-            name="derived",
-            reasoning_open=opening,
-            open_in_prompt=in_prompt,
-            reasoning_close=closing,
-            end_of_turn=end_of_turn,
-            content_separator=before[close_at + len(closing) :] if close_at >= 0 else "",
+    return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls)
+
+
+def _no_reasoning(end_of_turn: str) -> CompletionFormat:
+    return CompletionFormat("derived", None, False, None, end_of_turn)
+
+
+def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
+    """Literals read off a turn that shows the sentinel reasoning before the sentinel content."""
+    r_at, c_at = turn.find(SENTINEL_REASONING), turn.find(SENTINEL_CONTENT)
+    pre, mid = turn[:r_at], turn[r_at + len(SENTINEL_REASONING) : c_at]
+    pad = _trailing_ws(pre)
+    if not mid.startswith(pad):
+        raise ConfigError(f"chat template pads reasoning asymmetrically ({pre[-20:]!r} ... {mid!r})")
+    head, close_sep = pre[: len(pre) - len(pad)], mid[len(pad) :]
+    close = close_sep.rstrip()
+    separator = close_sep[len(close) :]
+    if not close:
+        raise ConfigError(f"chat template: nothing closes the reasoning before the content ({mid!r})")
+    if head.startswith(r.header) and head[len(r.header) :].strip():
+        opening, in_prompt = head[len(r.header) :], False
+    elif r.header in (head, head + pad):
+        at = _last_control(head, r.controls)
+        if at < 0:
+            raise ConfigError(f"chat template: the reasoning in {turn!r} opens without a control token")
+        opening, in_prompt = head[at:], True
+    elif r.header.startswith(head) and close in r.header[len(head) :]:
+        return _no_reasoning(r.end_of_turn)
+    else:
+        raise ConfigError(
+            f"chat template: the generation prompt {r.header!r} does not lead into the rendered turn {turn!r}"
         )
-        return fmt, frozenset(seen | ({"content_separator"} if close_at >= 0 else set()))
-    fmt = CompletionFormat(
-        name="derived",
-        reasoning_open=None,
-        open_in_prompt=False,
-        reasoning_close=None,
-        end_of_turn=end_of_turn,
+    return CompletionFormat(
+        "derived", opening, in_prompt, close, r.end_of_turn, reasoning_pad=pad, content_separator=separator
     )
-    return fmt, frozenset(seen)
+
+
+def _from_hidden_reasoning(r: _Renders) -> tuple[CompletionFormat, frozenset[str]]:
+    """The template never shows reasoning: read what its tags (if any) show; the padding stays unknown."""
+    before = r.turns[0][: r.turns[0].find(SENTINEL_CONTENT)]
+    unseen = frozenset({"reasoning_pad"})
+    if before.startswith(r.header):
+        emitted = before[len(r.header) :]
+        if not emitted.strip():
+            return _no_reasoning(r.end_of_turn), unseen
+        for opening, closing in KNOWN_REASONING_TAGS:
+            stripped = emitted.lstrip()
+            if stripped.startswith(opening) and stripped[len(opening) :].lstrip().startswith(closing):
+                rest = stripped[len(opening) :].lstrip()[len(closing) :]
+                fmt = CompletionFormat("derived", opening, False, closing, r.end_of_turn, content_separator=rest)
+                return fmt, unseen
+        raise ConfigError(f"chat template writes {emitted!r} before the content and shows no reasoning")
+    for opening, closing in KNOWN_REASONING_TAGS:
+        stem = r.header.rstrip()
+        role = stem[: len(stem) - len(opening)]
+        if stem.endswith(opening) and before.startswith(role + closing):
+            rest = before[len(role) + len(closing) :]
+            fmt = CompletionFormat("derived", opening, True, closing, r.end_of_turn, content_separator=rest)
+            return fmt, unseen
+    raise ConfigError(
+        f"chat template: the generation prompt {r.header!r} and the rendered turn {r.turns[0]!r} disagree "
+        f"in a way no supported reasoning layout explains"
+    )
+
+
+@dataclass(frozen=True)
+class FormatCheck:
+    """A preset (or none, for `auto`) against the format the chat template shows.
+
+    `reasoning_visible`: some sentinel turn rendered the reasoning text. When it is False the template drops
+    reasoning from every assistant turn it renders (SpecForge's Kimi-K2 template renders `<think></think>`
+    for all of them): data built by re-rendering such conversations would teach a drafter no reasoning.
+    """
+
+    preset: CompletionFormat | None
+    derived: CompletionFormat
+    compared: frozenset[str]
+    differences: dict[str, tuple[Any, Any]]
+    reasoning_visible: bool
+    template_kwargs: dict[str, Any]
+
+    @property
+    def agrees(self) -> bool:
+        return not self.differences
+
+    def notes(self) -> list[str]:
+        out = []
+        if not self.reasoning_visible and self.derived.has_reasoning:
+            out.append(
+                "the chat template renders no reasoning_content in any assistant turn (it drops reasoning): "
+                "ids are built from the generation prompt + generated text only, never by re-rendering"
+            )
+        out += [f"{k}: preset {v[0]!r} vs template {v[1]!r}" for k, v in self.differences.items()]
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "preset": self.preset.name if self.preset else None,
+            "derived": self.derived.describe(),
+            "compared_fields": sorted(self.compared),
+            "differences": {k: list(v) for k, v in self.differences.items()},
+            "reasoning_visible": self.reasoning_visible,
+            "template_kwargs": self.template_kwargs,
+            "notes": self.notes(),
+        }
+
+
+def _derive(
+    tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any]
+) -> tuple[CompletionFormat, frozenset[str], bool]:
+    """The format the chat template shows, the fields it actually showed, and whether reasoning was visible."""
+    renders = _sentinel_renders(tokenizer, template_kwargs)
+    shown = [
+        t for t in renders.turns if SENTINEL_REASONING in t and t.find(SENTINEL_REASONING) < t.find(SENTINEL_CONTENT)
+    ]
+    if shown:
+        fmt = _from_visible_reasoning(shown[0], renders)
+        seen = COMPARED_FIELDS
+        visible = True
+    else:
+        fmt, unseen = _from_hidden_reasoning(renders)
+        seen = COMPARED_FIELDS - unseen
+        visible = False
+    controls = controls_in("\x00".join(fmt.literals()), renders.controls)
+    derived = CompletionFormat(
+        "derived",
+        fmt.reasoning_open,
+        fmt.open_in_prompt,
+        fmt.reasoning_close,
+        fmt.end_of_turn,
+        fmt.reasoning_pad,
+        fmt.content_separator,
+        control_tokens=controls,
+    )
+    return derived, seen, visible
 
 
 def format_differences(a: CompletionFormat, b: CompletionFormat, compared: frozenset[str]) -> dict[str, Any]:
@@ -287,34 +486,74 @@ def format_differences(a: CompletionFormat, b: CompletionFormat, compared: froze
     }
 
 
-def derive_format(tokenizer: PreTrainedTokenizerBase) -> CompletionFormat:
-    """The format the tokenizer's chat template implies; a matching preset is returned under its own name."""
-    derived, seen = _derive(tokenizer)
+def _pins_hold(fmt: CompletionFormat, tokenizer: PreTrainedTokenizerBase) -> bool:
+    ids = {s: i for i, s in added_tokens(tokenizer).items()}
+    return all(ids.get(s) == i for s, i in fmt.pinned_ids)
+
+
+def check_format(
+    name: str, tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None = None
+) -> FormatCheck:
+    """Render the sentinel conversations and compare: `auto` compares against nothing (differences empty)."""
+    if name != "auto" and name not in PRESETS:
+        raise ConfigError(f"unknown completion_format {name!r}; choose 'auto' or one of {sorted(PRESETS)}")
+    kwargs = dict(template_kwargs or {})
+    derived, seen, visible = _derive(tokenizer, kwargs)
+    preset = PRESETS.get(name)
+    diff = format_differences(preset, derived, seen) if preset else {}
+    if preset and not _pins_hold(preset, tokenizer):
+        ids = {s: i for i, s in added_tokens(tokenizer).items()}
+        diff["pinned_ids"] = (dict(preset.pinned_ids), {s: ids.get(s) for s, _ in preset.pinned_ids})
+    return FormatCheck(preset, derived, seen, diff, visible, kwargs)
+
+
+def derive_format(
+    tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None = None
+) -> CompletionFormat:
+    """The format the tokenizer's chat template implies; a matching preset (layout and pinned ids) is returned
+    under its own name."""
+    derived, seen, _ = _derive(tokenizer, dict(template_kwargs or {}))
     for preset in PRESETS.values():
-        if not format_differences(preset, derived, seen):
+        if not format_differences(preset, derived, seen) and _pins_hold(preset, tokenizer):
             return preset
     return derived
 
 
-def resolve_format(name: str, tokenizer: PreTrainedTokenizerBase) -> CompletionFormat:
-    """`auto` -> derived from the template; a preset -> that preset, refused if the template contradicts it.
+def resolve_format(
+    name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    template_kwargs: Mapping[str, Any] | None = None,
+    on_disagreement: Literal["fail", "warn"] = "fail",
+) -> CompletionFormat:
+    """`auto` -> derived from the template; a preset -> that preset, refused (or, with `warn`, logged) if the
+    template contradicts it.
 
     A tokenizer without a chat template cannot contradict a preset, so the preset is used as given; `auto`
     then has nothing to derive from and fails.
     """
     if name == "auto":
-        return derive_format(tokenizer)
+        return derive_format(tokenizer, template_kwargs)
     if name not in PRESETS:
         raise ConfigError(f"unknown completion_format {name!r}; choose 'auto' or one of {sorted(PRESETS)}")
     preset = PRESETS[name]
     if getattr(tokenizer, "chat_template", None) is None:
         return preset
-    derived, seen = _derive(tokenizer)
-    diff = format_differences(preset, derived, seen)
-    if diff:
-        detail = "; ".join(f"{k}: preset {v[0]!r} vs template {v[1]!r}" for k, v in diff.items())
-        raise ConfigError(
+    check = check_format(name, tokenizer, template_kwargs)
+    if check.differences:
+        message = (
             f"completion_format preset {name!r} disagrees with the format derived from the tokenizer's chat "
-            f"template ({derived.describe()}): {detail}"
+            f"template ({check.derived.describe()}): " + "; ".join(check.notes())
         )
+        if on_disagreement == "fail":
+            raise ConfigError(message)
+        log.warning("%s (validation.format_disagreement=warn: using the preset)", message)
     return preset
+
+
+def format_for(cfg: PipelineConfig, tokenizer: PreTrainedTokenizerBase) -> CompletionFormat:
+    """The run's completion format: its preset (or `auto`), checked against the template rendered with the run's
+    chat-template kwargs, a disagreement failing or warning as `validation.format_disagreement` says."""
+    tok_cfg = cfg.tokenizer
+    return resolve_format(
+        tok_cfg.completion_format, tokenizer, tok_cfg.chat_template_kwargs, cfg.validation.format_disagreement
+    )

@@ -6,6 +6,7 @@ Secrets are `SecretStr` and are only ever unwrapped at the HTTP boundary (`Endpo
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -96,6 +97,10 @@ class TokenizerConfig(StrictModel):
     revision: str | None = Field(default=None, description="Recorded in provenance; a hash is computed too.")
     trust_remote_code: bool = False
     completion_format: str = Field(default="auto", description="Preset name, or 'auto' to derive it.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Chat-template variables the server renders with (thinking, enable_thinking, reasoning_effort).",
+    )
 
 
 class ReconstructConfig(StrictModel):
@@ -108,6 +113,18 @@ class ValidationConfig(StrictModel):
     max_real_difference_rate: float = Field(default=0.01, ge=0, le=1)
     max_failed_rate: float = Field(default=1.0, ge=0, le=1)
     allowed_finish_reasons: list[str] = Field(default_factory=lambda: ["stop"])
+    max_bpe_artifact_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over referenced samples.")
+    max_fail_verdict_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over validated samples.")
+    max_billing_delta_frac: float | None = Field(
+        default=None, ge=0, description="Gate on |billed - ours| / ours of a dataset's completion tokens."
+    )
+    max_billing_flagged_rate: float = Field(default=1.0, ge=0, le=1, description="Gate on rows beyond tolerance.")
+    fail_on_mixed_providers: bool = Field(
+        default=False, description="Gate: a dataset served by more than one provider/quantization."
+    )
+    format_disagreement: Literal["fail", "warn"] = Field(
+        default="fail", description="A completion_format preset the chat template contradicts: fail, or warn."
+    )
 
 
 class ExtractConfig(StrictModel):
@@ -118,10 +135,22 @@ class ExtractConfig(StrictModel):
         default=None, description="0-based decoder-layer outputs; default [1, N//2-1, N-4]."
     )
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    device: str = "auto"
+    device: str = Field(default="auto", description="hf backend: auto, cpu, cuda or cuda:N.")
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | None = Field(
+        default=None, description="hf backend: spread the model's layers over all visible GPUs (accelerate)."
+    )
+    tp_size: int = Field(default=1, ge=1, description="sglang backend: tensor-parallel ranks (GPUs).")
+    sglang_mem_fraction_static: float = Field(
+        default=0.8, gt=0, lt=1, description="sglang backend: GPU memory fraction for weights + KV pool."
+    )
     max_tokens_per_batch: int = Field(default=8192, ge=1)
     max_shard_bytes: int = Field(default=2 * 1024**3, ge=1024)
     skip_failed_validation: bool = True
+    store_final_state: bool = Field(
+        default=True,
+        description="False stores the 3 aux states only (25% less disk); trainers then recompute the target "
+        "distribution themselves and the specforge/speculators exports refuse the run.",
+    )
 
 
 class PipelineConfig(StrictModel):
@@ -197,14 +226,19 @@ def load_config(path: Path | str, overrides: dict[str, Any] | None = None) -> Pi
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path} must be a YAML mapping, got {type(raw).__name__}")
     raw = _resolve_paths(raw, path.parent.resolve())
-    for dotted, value in (overrides or {}).items():
-        _set_dotted(raw, dotted, value)
-    return PipelineConfig.model_validate(raw)
+    return PipelineConfig.model_validate(apply_overrides(raw, overrides or {}))
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    node = data
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (`endpoint.max_in_flight`) in a copy of a raw config mapping."""
+    out = copy.deepcopy(data)
+    for dotted, value in overrides.items():
+        node = out
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out

@@ -5,25 +5,27 @@ the model emitted it). The two are encoded separately because their boundary is 
 (generation starts there); the finished conversation is never re-rendered, since templates rewrite history.
 Where the endpoint recorded the prompt ids it sent, ours must equal them, or the part fails naming the sample.
 
-Encoding goes through the Rust backend in batches; per-row Python is limited to slicing and bookkeeping so
-that reconstruction runs near raw `tokenizers` throughput.
+Encoding goes through `tasks.tokenizer_backend` in batches (Rust `tokenizers`, tiktoken's threaded core, or,
+for other Python tokenizers, their own `encode`); per-row Python is limited to bookkeeping so that
+reconstruction runs near raw `tokenizers` throughput (`bench/reconstruct_throughput.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from tokenizers import Encoding, Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from tasks.completion_format import (
+    PRESETS,
     CompletionFormat,
     CompletionLayout,
-    TokenSpans,
+    check_format,
     completion_layout,
     loss_mask_values,
 )
@@ -32,7 +34,8 @@ from tasks.errors import ConfigError, ReconstructionError
 from tasks.messages import Message, prompt_messages
 from tasks.shards import PartRef, read_marker, read_part, read_provenance, write_part
 from tasks.special_tokens import verify_special_tokens
-from tasks.tokenizer_loading import backend_tokenizer, load_tokenizer, render_prompt, tokenizer_provenance
+from tasks.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
+from tasks.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_provenance
 
 RESPONSE_COLUMNS = ["sample_id", "dataset", "status", "reasoning", "content", "finish_reason", "prompt_ids"]
 
@@ -54,38 +57,11 @@ class SampleText:
         return self.finish_reason == "length"
 
 
-def _token_at(encoding: Encoding, char: int, text_len: int) -> int:
-    """Index of the first token ending after `char`: a token straddling a span boundary joins the later."""
-    if char >= text_len:
-        return len(encoding.ids)
-    index = encoding.char_to_token(char)
-    if index is not None:
-        return int(index)
-    for i, (_, end) in enumerate(encoding.offsets):
-        if end > char:
-            return i
-    return len(encoding.ids)
-
-
-def token_spans(encoding: Encoding, layout: CompletionLayout) -> TokenSpans:
-    n = len(layout.text)
-    content_at = _token_at(encoding, layout.content_start, n)
-    end_of_turn_at = _token_at(encoding, layout.end_of_turn_start, n)
-    return TokenSpans(content_at, end_of_turn_at - content_at, len(encoding.ids) - end_of_turn_at)
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
 def _check_prompt_ids(sample: SampleText, ours: list[int]) -> None:
     sent = sample.prompt_ids
     if sent is None or list(sent) == ours:
         return
-    at = _first_difference(ours, sent)
+    at = first_difference(ours, sent)
     raise ReconstructionError(
         sample.sample_id,
         f"rendered prompt ids differ from the ids the endpoint recorded at position {at} "
@@ -104,10 +80,70 @@ def _layouts(fmt: CompletionFormat, samples: Sequence[SampleText]) -> list[Compl
     return layouts
 
 
-def _encode(backend: Tokenizer, texts: list[str], offsets: bool) -> list[Encoding]:
-    if not offsets and hasattr(backend, "encode_batch_fast"):
-        return list(backend.encode_batch_fast(texts, add_special_tokens=False))
-    return list(backend.encode_batch(texts, add_special_tokens=False))
+def _boundary_ids(backend: TokenBackend, fmt: CompletionFormat) -> tuple[int | None, int, int] | None:
+    """(id that ends the reasoning section, how often the layout writes it before the content, end-of-turn id)
+    when span boundaries can be read off the ids.
+
+    Control tokens are split off before BPE runs, so a boundary right after one is always a token boundary:
+    with no content separator and a close literal ending in a control token, the content starts right after
+    that token's last expected occurrence, and the end of turn is the last token. Otherwise (Qwen3's
+    `</think>\\n\\n`) None: offsets decide.
+    """
+    end_of_turn = backend.token_to_id(fmt.end_of_turn)
+    if end_of_turn is None or fmt.content_separator:
+        return None
+    if fmt.reasoning_close is None:
+        return None, 0, end_of_turn
+    last = next((c for c in fmt.special_tokens() if fmt.reasoning_close.endswith(c)), None)
+    close = backend.token_to_id(last) if last else None
+    if last is None or close is None:
+        return None
+    written = ("" if fmt.open_in_prompt else fmt.reasoning_open or "") + fmt.reasoning_close
+    return close, written.count(last), end_of_turn
+
+
+def _nth(row: list[int], token: int, n: int) -> int:
+    at = -1
+    for _ in range(n):
+        at = row.index(token, at + 1)
+    return at
+
+
+def encode_completions(
+    backend: TokenBackend, fmt: CompletionFormat, layouts: Sequence[CompletionLayout]
+) -> tuple[list[list[int]], np.ndarray]:
+    """Completion ids and, per row, the token index where the content and the end of turn start.
+
+    Read off the ids where the format allows it (`_boundary_ids`: no offsets to compute, the fast batch
+    path), and from character offsets for the rows where that is ambiguous (the close tag also inside the
+    text) and for formats that need them; both give the same indices where both apply.
+    """
+    texts = [lay.text for lay in layouts]
+    bounds = [(lay.content_start, lay.end_of_turn_start) for lay in layouts]
+    by_id = _boundary_ids(backend, fmt)
+    if by_id is None:
+        return backend.encode_with_boundaries(texts, bounds)
+    close, written, eot = by_id
+    ids = backend.encode_batch(texts)
+    at = np.zeros((len(texts), 2), dtype=np.int64)
+    redo = []
+    for i, (row, lay) in enumerate(zip(ids, layouts, strict=True)):
+        n, text_len = len(row), len(lay.text)
+        eot_at = n if lay.end_of_turn_start >= text_len else n - 1
+        if lay.content_start >= text_len:
+            content_at = n
+        elif lay.content_start == 0 or close is None:
+            content_at = 0
+        else:
+            content_at = _nth(row, close, written) + 1 if row.count(close) == written else -1
+        if content_at < 0 or (eot_at < n and row[-1] != eot):
+            redo.append(i)
+        at[i] = (content_at, eot_at)
+    if redo:
+        again, again_at = backend.encode_with_boundaries([texts[i] for i in redo], [bounds[i] for i in redo])
+        for k, i in enumerate(redo):
+            ids[i], at[i] = again[k], again_at[k]
+    return ids, at
 
 
 def build_tokens_table(
@@ -115,49 +151,55 @@ def build_tokens_table(
     fmt: CompletionFormat,
     samples: Sequence[SampleText],
     rcfg: ReconstructConfig,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[pa.Table, dict[str, int]]:
     """The `tokens` rows for `samples`, in order, and their token totals."""
-    backend = backend_tokenizer(tokenizer)
-    prompts = [render_prompt(tokenizer, prompt_messages(s.messages)) for s in samples]
+    backend = backend_for(tokenizer)
+    sample_ids = [s.sample_id for s in samples]
+    prompts = [render_prompt(tokenizer, prompt_messages(s.messages), template_kwargs) for s in samples]
     layouts = _layouts(fmt, samples)
-    prompt_encs = _encode(backend, prompts, offsets=False)
-    completion_encs = _encode(backend, [lay.text for lay in layouts], offsets=True)
+    texts = [lay.text for lay in layouts]
+    prompt_ids = backend.encode_batch(prompts)
+    completion_ids, at = encode_completions(backend, fmt, layouts)
+    backend.spot_check(prompts, sample_ids, prompt_ids)
+    backend.spot_check(texts, sample_ids, completion_ids)
+    for sample, ids in zip(samples, prompt_ids, strict=True):
+        _check_prompt_ids(sample, ids)
 
-    flat_ids: list[int] = []
-    row_offsets = np.zeros(len(samples) + 1, dtype=np.int64)
-    segments = np.zeros((len(samples), 4), dtype=np.int64)
-    for i, (sample, p_enc, c_enc, layout) in enumerate(
-        zip(samples, prompt_encs, completion_encs, layouts, strict=True)
-    ):
-        prompt_ids = p_enc.ids
-        _check_prompt_ids(sample, prompt_ids)
-        spans = token_spans(c_enc, layout)
-        flat_ids.extend(prompt_ids)
-        flat_ids.extend(c_enc.ids)
-        segments[i] = (len(prompt_ids), spans.reasoning, spans.content, spans.end_of_turn)
-        row_offsets[i + 1] = len(flat_ids)
-
-    values = np.tile(
-        np.asarray(loss_mask_values(rcfg.loss_on_reasoning, rcfg.loss_on_end_of_turn), np.uint8), len(samples)
-    )
+    n = len(samples)
+    segments = np.zeros((n, 4), dtype=np.int64)
+    segments[:, 0] = [len(p) for p in prompt_ids]
+    if n:
+        completion_lens = np.fromiter((len(c) for c in completion_ids), np.int64, count=n)
+        segments[:, 1] = at[:, 0]
+        segments[:, 2] = at[:, 1] - at[:, 0]
+        segments[:, 3] = completion_lens - at[:, 1]
+    lengths = segments.sum(axis=1)
+    row_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=row_offsets[1:])
+    total = int(row_offsets[-1])
+    pairs = zip(prompt_ids, completion_ids, strict=True)
+    interleaved = itertools.chain.from_iterable(itertools.chain.from_iterable(pairs))
+    flat = np.fromiter(interleaved, dtype=np.int32, count=total)
+    values = np.tile(np.asarray(loss_mask_values(rcfg.loss_on_reasoning, rcfg.loss_on_end_of_turn), np.uint8), n)
     mask = np.repeat(values, segments.ravel())
     offsets = pa.array(row_offsets.astype(np.int32))
     completion_len = segments[:, 1:].sum(axis=1)
     table = pa.table(
         {
-            "sample_id": pa.array([s.sample_id for s in samples], pa.string()),
+            "sample_id": pa.array(sample_ids, pa.string()),
             "dataset": pa.array([s.dataset for s in samples], pa.string()),
-            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(np.asarray(flat_ids, dtype=np.int32))),
+            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat)),
             "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask)),
             "prompt_len": pa.array(segments[:, 0].astype(np.int32)),
             "completion_len": pa.array(completion_len.astype(np.int32)),
             "reasoning_len": pa.array(segments[:, 1].astype(np.int32)),
-            "completion_format": pa.array([fmt.name] * len(samples), pa.string()),
+            "completion_format": pa.array([fmt.name] * n, pa.string()),
         }
     )
     stats = {
-        "rows": len(samples),
-        "tokens": len(flat_ids),
+        "rows": n,
+        "tokens": total,
         "prompt_tokens": int(segments[:, 0].sum()),
         "completion_tokens": int(completion_len.sum()),
         "reasoning_tokens": int(segments[:, 1].sum()),
@@ -214,17 +256,21 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
         return {**read_marker(out)["stats"], "reused": True}
     tokenizer = load_tokenizer(cfg.tokenizer)
     verify_special_tokens(tokenizer, fmt)
+    kwargs = cfg.tokenizer.chat_template_kwargs
     prompts = read_part(out.with_stage("prompts"), columns=["sample_id", "messages"])
     responses = read_part(out.with_stage("responses"), columns=RESPONSE_COLUMNS)
     samples, not_done = pair_samples(prompts, responses)
-    table, counts = build_tokens_table(tokenizer, fmt, samples, cfg.reconstruct)
+    table, counts = build_tokens_table(tokenizer, fmt, samples, cfg.reconstruct, kwargs)
     stats: dict[str, Any] = {**counts, "responses_not_done": not_done, "completion_format": fmt.name}
     provenance = {
         **cfg.provenance(),
         **tokenizer_provenance(cfg.tokenizer),
+        **describe_backend(tokenizer),
         "completion_format": fmt.name,
         "completion_format_spec": fmt.describe(),
         "reconstruct": cfg.reconstruct.model_dump(mode="json"),
     }
+    if fmt.name in PRESETS and getattr(tokenizer, "chat_template", None) is not None:
+        provenance["completion_format_check"] = check_format(fmt.name, tokenizer, kwargs).describe()
     write_part(out, table, provenance, stats)
     return {**stats, "reused": False}

@@ -48,6 +48,7 @@ RESPONSES = pa.schema(
         pa.field("attempts", pa.int32(), nullable=False),
         pa.field("output_ids", pa.list_(pa.int32())),
         pa.field("prompt_ids", pa.list_(pa.int32())),
+        pa.field("quantization", pa.string()),
     ]
 )
 
@@ -83,6 +84,11 @@ VALIDATION = pa.schema(
         pa.field("our_completion_tokens", pa.int64(), nullable=False),
         pa.field("billing_delta_tokens", pa.int64()),
         pa.field("billing_delta_frac", pa.float64()),
+        pa.field("billed_reasoning_tokens", pa.int64()),
+        pa.field("our_reasoning_tokens", pa.int64()),
+        pa.field("reasoning_delta_tokens", pa.int64()),
+        pa.field("billing_flagged", pa.bool_()),
+        pa.field("quantization", pa.string()),
     ]
 )
 

@@ -10,14 +10,14 @@ decoding actually produce.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from tasks.completion_format import CompletionFormat
 from tasks.errors import SpecialTokenError
-from tasks.tokenizer_loading import backend_tokenizer
+from tasks.tokenizer_backend import backend_for
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,19 @@ def _problem(
 def check_special_tokens(
     tokenizer: PreTrainedTokenizerBase, fmt: CompletionFormat, expected_ids: Mapping[str, int] | None = None
 ) -> list[SpecialTokenCheck]:
-    """The table of checks, without raising. Expected id: caller's table, else format's pin, else vocab."""
-    backend = backend_tokenizer(tokenizer)
+    """The table of checks, without raising. Expected id: caller's table, else format's pin, else vocab.
+
+    Encoding and decoding go through the same backend reconstruction uses (Rust, tiktoken or the tokenizer's
+    own Python), so the table describes the ids the data will actually carry.
+    """
+    backend = backend_for(tokenizer)
     pinned = {**fmt.pinned(), **(expected_ids or {})}
     rows = []
     for string in fmt.special_tokens():
         vocab_id = backend.token_to_id(string)
         expected = pinned.get(string, vocab_id)
-        encoded = tuple(backend.encode(string, add_special_tokens=False).ids)
-        decoded = backend.decode([expected], skip_special_tokens=False) if expected is not None else ""
+        encoded = tuple(backend.encode(string))
+        decoded = _decode_one(backend.decode, expected)
         rows.append(
             SpecialTokenCheck(
                 string,
@@ -75,6 +79,15 @@ def check_special_tokens(
             )
         )
     return rows
+
+
+def _decode_one(decode: Callable[[list[int]], str], token_id: int | None) -> str:
+    if token_id is None:
+        return ""
+    try:
+        return decode([token_id])
+    except (KeyError, ValueError, OverflowError) as exc:
+        return f"<undecodable: {type(exc).__name__}>"
 
 
 def format_table(rows: list[SpecialTokenCheck]) -> str:

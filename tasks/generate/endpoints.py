@@ -89,10 +89,12 @@ def build_request(
             payload["provider"] = cfg.endpoint.provider_routing
         if cfg.endpoint.reasoning:
             payload["reasoning"] = cfg.endpoint.reasoning
+        if cfg.tokenizer.chat_template_kwargs:
+            payload["chat_template_kwargs"] = dict(cfg.tokenizer.chat_template_kwargs)
         return EndpointRequest(url, payload, None)
     if tokenizer is None:
         raise ConfigError("endpoint.kind 'sglang_generate' needs the tokenizer to render prompt ids")
-    prompt_ids = render_prompt_ids(tokenizer, messages)
+    prompt_ids = render_prompt_ids(tokenizer, messages, cfg.tokenizer.chat_template_kwargs)
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,

@@ -1,0 +1,188 @@
+"""Completion-format presets against chat templates in each family's real form, over real tokenizers.
+
+For every family shipped: the format derived from the template by rendering sentinel conversations is the
+preset, the preset's control tokens are single ids at their pinned ids, and a completion laid out by the preset
+is exactly what the template renders for that turn (where the template shows it). Wrong presets, wrong ids and
+templates that drop reasoning are caught.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from tasks.completion_format import (
+    PRESETS,
+    SENTINEL_CONTENT,
+    SENTINEL_REASONING,
+    check_format,
+    completion_text,
+    derive_format,
+    format_for,
+    resolve_format,
+)
+from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig, ValidationConfig
+from tasks.errors import ConfigError, SpecialTokenError
+from tasks.special_tokens import check_special_tokens, format_table, verify_special_tokens
+from tasks.tokenizer_loading import render_prompt
+from tests.fixtures import families as F
+
+# (family, chat-template kwargs, preset the template must derive to, preset names it must accept)
+CASES: list[tuple[str, dict[str, Any], str, tuple[str, ...]]] = [
+    ("deepseek_v31", {"thinking": True}, "deepseek_v31_thinking", ("deepseek_v31_thinking", "deepseek_v32_thinking")),
+    ("deepseek_v31", {}, "deepseek_v31_instruct", ("deepseek_v31_instruct",)),
+    ("deepseek_v32", {"thinking": True}, "deepseek_v31_thinking", ("deepseek_v32_thinking",)),
+    ("deepseek_v32", {"thinking": False}, "deepseek_v31_instruct", ("deepseek_v32_instruct",)),
+    ("qwen3", {}, "qwen3_thinking", ("qwen3_thinking",)),
+    ("qwen3", {"enable_thinking": False}, "qwen3_instruct", ("qwen3_instruct",)),
+    ("kimi_k2_thinking", {}, "kimi_k2_thinking", ("kimi_k2_thinking",)),
+    ("kimi_k2_instruct", {}, "kimi_k2_instruct", ("kimi_k2_instruct",)),
+    ("kimi_k25", {}, "kimi_k25_thinking", ("kimi_k25_thinking",)),
+    ("kimi_k25", {"thinking": False}, "kimi_k2_instruct", ("kimi_k25_instruct", "kimi_k2_instruct")),
+    ("gpt_oss", {}, "gpt_oss_harmony", ("gpt_oss_harmony",)),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> Callable[[str], PreTrainedTokenizerBase]:
+    return F.shared
+
+
+@pytest.mark.parametrize(("family", "kwargs", "derives", "accepts"), CASES)
+def test_preset_and_derivation_agree(
+    tokenizers: Callable[[str], PreTrainedTokenizerBase],
+    family: str,
+    kwargs: dict[str, Any],
+    derives: str,
+    accepts: tuple[str, ...],
+) -> None:
+    tok = tokenizers(family)
+    assert derive_format(tok, kwargs) is PRESETS[derives]
+    for name in accepts:
+        check = check_format(name, tok, kwargs)
+        assert check.agrees, check.notes()
+        assert resolve_format(name, tok, kwargs) is PRESETS[name]
+        rows = verify_special_tokens(tok, PRESETS[name])
+        assert all(r.encoded_ids == (r.expected_id,) for r in rows)
+        assert {r.string: r.expected_id for r in rows if r.string in PRESETS[name].pinned()} == PRESETS[name].pinned()
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "preset"),
+    [
+        ("qwen3", {}, "qwen3_thinking"),
+        ("kimi_k2_thinking", {}, "kimi_k2_thinking"),
+        ("deepseek_v32", {"thinking": True}, "deepseek_v32_thinking"),
+        ("gpt_oss", {}, "gpt_oss_harmony"),
+    ],
+)
+def test_preset_layout_is_what_the_template_renders(
+    tokenizers: Callable[[str], PreTrainedTokenizerBase], family: str, kwargs: dict[str, Any], preset: str
+) -> None:
+    """Where the template shows a finished turn with its reasoning, generation prompt + preset layout is it."""
+    tok = tokenizers(family)
+    user = {"role": "user", "content": "Why is the sky blue?"}
+    prompt = render_prompt(tok, [user], kwargs)  # type: ignore[list-item]
+    assistant: dict[str, Any] = {"role": "assistant", "content": SENTINEL_CONTENT}
+    assistant.update(reasoning_content=SENTINEL_REASONING, thinking=SENTINEL_REASONING)
+    if family == "kimi_k2_thinking":  # Kimi-K2 shows reasoning only inside a tool-call sequence
+        assistant["tool_calls"] = [{"id": "f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    finished = tok.apply_chat_template([user, assistant], tokenize=False, **kwargs)
+    fmt = PRESETS[preset]
+    layout = completion_text(fmt, SENTINEL_REASONING, SENTINEL_CONTENT)
+    assert isinstance(finished, str) and layout.endswith(fmt.end_of_turn)
+    if family == "kimi_k2_thinking":  # the tool-call section sits between the content and the end of turn
+        assert finished.startswith(prompt + layout[: -len(fmt.end_of_turn)])
+        assert finished.endswith("<|tool_calls_section_end|>" + fmt.end_of_turn)
+    else:  # templates may add a newline after the turn; the model's output stops at its end-of-turn token
+        assert finished.rstrip("\n") == prompt + layout
+
+
+def test_templates_that_rewrite_history_are_told_apart(tokenizers: Callable[[str], PreTrainedTokenizerBase]) -> None:
+    """DeepSeek-V3.1 and SpecForge's Kimi template never render reasoning_content; Kimi's own template does (in
+    a tool-call sequence). The check says so, so a re-rendering pipeline's loss of reasoning is visible."""
+    real = check_format("kimi_k2_thinking", tokenizers("kimi_k2_thinking"))
+    specforge = check_format("kimi_k2_thinking", tokenizers("specforge_kimi_k2"))
+    deepseek = check_format("deepseek_v31_thinking", tokenizers("deepseek_v31"), {"thinking": True})
+    assert real.reasoning_visible and not real.notes()
+    assert not specforge.reasoning_visible and not deepseek.reasoning_visible
+    assert "drops reasoning" in specforge.notes()[0]
+    assert specforge.describe()["reasoning_visible"] is False
+    # What it cannot see (the padding inside the tags) is not claimed.
+    assert "reasoning_pad" not in specforge.compared and "reasoning_pad" in real.compared
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "wrong", "expected"),
+    [
+        ("qwen3", {}, "kimi_k2_thinking", "pinned_ids"),
+        ("kimi_k2_thinking", {}, "qwen3_thinking", "reasoning_pad: preset '\\n' vs template ''"),
+        ("kimi_k2_thinking", {}, "kimi_k25_thinking", "open_in_prompt: preset True vs template False"),
+        ("kimi_k25", {}, "kimi_k2_thinking", "open_in_prompt: preset False vs template True"),
+        ("deepseek_v31", {}, "deepseek_v31_thinking", "has_reasoning: preset True vs template False"),
+        ("gpt_oss", {}, "qwen3_thinking", "reasoning_open: preset '<think>' vs template '<|channel|>analysis"),
+    ],
+)
+def test_wrong_preset_is_refused(
+    tokenizers: Callable[[str], PreTrainedTokenizerBase], family: str, kwargs: dict[str, Any], wrong: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError, match="disagrees") as err:
+        resolve_format(wrong, tokenizers(family), kwargs)
+    assert expected in str(err.value)
+
+
+def test_disagreement_can_be_a_warning(
+    tokenizers: Callable[[str], PreTrainedTokenizerBase], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="tasks.completion_format"):
+        fmt = resolve_format("kimi_k25_thinking", tokenizers("kimi_k2_thinking"), on_disagreement="warn")
+    assert fmt is PRESETS["kimi_k25_thinking"]
+    assert "open_in_prompt" in caplog.text and "format_disagreement=warn" in caplog.text
+
+
+def test_the_seeds_wrong_kimi_id_is_caught(tokenizers: Callable[[str], PreTrainedTokenizerBase]) -> None:
+    """The seed once assumed <|im_end|> was 163533 (it is 163586): the table fails, showing both."""
+    tok = tokenizers("kimi_k2_thinking")
+    with pytest.raises(SpecialTokenError) as err:
+        verify_special_tokens(tok, PRESETS["kimi_k2_thinking"], expected_ids={"<|im_end|>": 163533})
+    table = str(err.value)
+    assert "163533" in table and "vocabulary maps it to 163586" in table
+    ok = {r.string: r for r in check_special_tokens(tok, PRESETS["kimi_k2_thinking"])}
+    assert ok["<|im_end|>"].encoded_ids == (163586,) and ok["<|im_end|>"].decoded == "<|im_end|>"
+    assert "163606" in format_table(list(ok.values()))
+
+
+def test_harmony_control_tokens_are_each_verified(tokenizers: Callable[[str], PreTrainedTokenizerBase]) -> None:
+    rows = verify_special_tokens(tokenizers("gpt_oss"), PRESETS["gpt_oss_harmony"])
+    assert {r.string: r.expected_id for r in rows} == dict(PRESETS["gpt_oss_harmony"].pinned_ids)
+    text = completion_text(PRESETS["gpt_oss_harmony"], "R", "C")
+    assert text == "<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>final<|message|>C<|return|>"
+
+
+def test_run_config_drives_kwargs_and_disagreement_policy(tmp_path: Path) -> None:
+    path = F.shared_dir("deepseek_v31")
+
+    def cfg(**tokenizer: Any) -> PipelineConfig:
+        return PipelineConfig(
+            run_dir=tmp_path,
+            datasets=[DatasetConfig(name="d", path=tmp_path / "d.jsonl")],
+            endpoint=EndpointConfig(model="m"),
+            tokenizer=TokenizerConfig(path=path, **tokenizer),
+            validation=ValidationConfig(format_disagreement="fail"),
+        )
+
+    tok = F.shared("deepseek_v31")
+    thinking = cfg(completion_format="deepseek_v31_thinking", chat_template_kwargs={"thinking": True})
+    assert format_for(thinking, tok) is PRESETS["deepseek_v31_thinking"]
+    assert format_for(cfg(completion_format="auto"), tok) is PRESETS["deepseek_v31_instruct"]
+    with pytest.raises(ConfigError, match="has_reasoning"):
+        format_for(cfg(completion_format="deepseek_v31_thinking"), tok)
+    lenient = cfg(completion_format="deepseek_v31_thinking").model_copy(
+        update={"validation": ValidationConfig(format_disagreement="warn")}
+    )
+    assert format_for(lenient, tok) is PRESETS["deepseek_v31_thinking"]

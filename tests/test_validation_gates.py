@@ -1,0 +1,125 @@
+"""Billing reconciliation (completion and reasoning tokens), provider parity and the configurable gates, over
+real reconstructed and validated parts (DeepSeek-V4 tokenizer, DeepSeek-V3.1 thinking layout)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from tasks.config import TokenizerConfig, ValidationConfig
+from tasks.errors import ValidationGateError
+from tasks.tokenizer_loading import load_tokenizer
+from tasks.validate import check_gates, gate_violations, serving_key, summarize_validation
+from tests.test_reconstruct import make_cfg
+from tests.test_validate import CONTENT, EOS, REASONING, encode, run_part
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
+    return load_tokenizer(TokenizerConfig(path=tokenizer_dir))
+
+
+def ours(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """(our completion tokens, our reasoning tokens) for the default REASONING/CONTENT answer."""
+    return len(encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")), len(encode(tokenizer, REASONING))
+
+
+def test_reasoning_tokens_are_reconciled_per_row(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    completion, reasoning = ours(tokenizer)
+    cfg = make_cfg(tmp_path, tokenizer_dir)
+    rows = run_part(
+        cfg,
+        0,
+        [
+            {"completion_tokens": completion, "reasoning_tokens": reasoning},
+            {"completion_tokens": completion, "reasoning_tokens": reasoning + 3},
+            {},
+        ],
+    )
+    exact, off, unbilled = rows["0"], rows["1"], rows["2"]
+    assert exact["our_reasoning_tokens"] == reasoning and exact["reasoning_delta_tokens"] == 0
+    assert not exact["billing_flagged"] and exact["verdict"] == "pass"
+    assert off["billing_delta_tokens"] == 0 and off["reasoning_delta_tokens"] == 3
+    assert off["billing_flagged"] and off["verdict"] == "warn"
+    assert unbilled["billed_reasoning_tokens"] is None and not unbilled["billing_flagged"]
+
+    (summary,) = summarize_validation(cfg)
+    billing = summary["billing"]
+    assert (billing["billed_reasoning_tokens"], billing["our_reasoning_tokens"]) == (2 * reasoning + 3, 2 * reasoning)
+    assert billing["reasoning_delta_frac"] == pytest.approx(3 / (2 * reasoning))
+    assert billing["flagged_samples"] == 1 and billing["flagged_rate"] == pytest.approx(1 / 3)
+
+
+def test_billing_gates(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    completion, _ = ours(tokenizer)
+    cfg = make_cfg(tmp_path, tokenizer_dir)
+    run_part(cfg, 0, [{"completion_tokens": completion + 4}, {"completion_tokens": completion}])
+    (summary,) = summarize_validation(cfg)
+    delta = 4 / (2 * completion)
+    assert 4 / completion > cfg.validation.billing_tolerance_frac  # the first row is flagged at validation time
+    assert summary["billing"]["delta_frac"] == pytest.approx(delta)
+    assert summary["billing"]["flagged_rate"] == pytest.approx(0.5)
+    assert gate_violations([summary], ValidationConfig()) == []
+    crossed = gate_violations([summary], ValidationConfig(max_billing_delta_frac=delta / 2))
+    assert len(crossed) == 1 and "max_billing_delta_frac" in crossed[0] and f"{delta:+.4%}" in crossed[0]
+    (flagged,) = gate_violations([summary], ValidationConfig(max_billing_flagged_rate=0.25))
+    assert "flagged_rate 0.5000 (1/2" in flagged
+
+
+def test_mixed_providers_and_quantizations_are_flagged(tmp_path: Path, tokenizer_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir)
+    run_part(
+        cfg,
+        0,
+        [
+            {"provider": "alpha", "quantization": "fp8"},
+            {"provider": "alpha", "quantization": "int4"},
+            {"provider": "beta", "quantization": "fp8"},
+            {"status": "failed", "error": "HTTP 500", "provider": "gamma"},
+        ],
+    )
+    (summary,) = summarize_validation(cfg)
+    assert summary["mixed_serving"]
+    assert summary["providers"] == {"alpha/fp8": 1, "alpha/int4": 1, "beta/fp8": 1, "gamma": 1}
+    by_key = {row["serving"]: row for row in summary["serving"]}
+    assert by_key["gamma"]["failed_responses"] == 1 and by_key["gamma"]["samples"] == 0
+    assert by_key["alpha/int4"]["samples"] == 1 and by_key["alpha/int4"]["exact_rate"] == 0.0
+    assert gate_violations([summary], ValidationConfig()) == []
+    (crossed,) = gate_violations([summary], ValidationConfig(fail_on_mixed_providers=True))
+    assert "served by a mix" in crossed and "alpha/int4" in crossed
+
+
+def test_one_provider_is_not_a_mix(tmp_path: Path, tokenizer_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir)
+    run_part(cfg, 0, [{"provider": "alpha", "quantization": "int4"}, {"provider": "alpha", "quantization": "int4"}])
+    (summary,) = summarize_validation(cfg)
+    assert not summary["mixed_serving"] and summary["providers"] == {"alpha/int4": 2}
+    assert gate_violations([summary], ValidationConfig(fail_on_mixed_providers=True)) == []
+    assert serving_key(None, None) == "unreported"
+
+
+def test_reference_and_verdict_rate_gates(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
+    nor = encode(tokenizer, " NOR")[0]
+    at = completion.index(nor)
+    split = [*completion[:at], *encode(tokenizer, " "), *encode(tokenizer, "NOR"), *completion[at + 1 :]]
+    cases: list[dict[str, Any]] = [
+        {"output_ids": completion},
+        {"output_ids": split},
+        {"content": "Sure.</think>Actually."},
+    ]
+    cfg = make_cfg(tmp_path, tokenizer_dir)
+    run_part(cfg, 0, cases)
+    (summary,) = summarize_validation(cfg)
+    assert summary["bpe_artifact_rate"] == pytest.approx(1 / 2) and summary["fail_rate"] == pytest.approx(1 / 3)
+    crossed = gate_violations([summary], ValidationConfig(max_bpe_artifact_rate=0.2, max_fail_verdict_rate=0.1))
+    assert [c.split(":")[1].split()[0] for c in crossed] == ["bpe_artifact_rate", "fail_rate"]
+    with pytest.raises(ValidationGateError, match=r"bpe_artifact_rate 0\.5000 \(1/2 referenced samples\)"):
+        check_gates([summary], ValidationConfig(max_bpe_artifact_rate=0.2))
