@@ -24,6 +24,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint docker/Dockerfile.cpu docker/Dockerfile.gpu
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -94,6 +94,9 @@ class SimConfig(BaseModel):
         default=None, description="(mu, sigma) of log-seconds, added to latency_s."
     )
     cache_size: int = Field(default=65536, ge=1)
+    unavailable_probes: int = Field(
+        default=0, ge=0, description="The first N /health or /v1/models requests answer 503 (endpoint still starting)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:

@@ -43,6 +43,11 @@ class SimState:
         self.by_key: Counter[str] = Counter()
         self.by_status: Counter[str] = Counter()
         self.by_route: Counter[str] = Counter()
+        self.probes = 0
+
+    def probe_unavailable(self) -> bool:
+        self.probes += 1
+        return self.probes <= self.config.unavailable_probes
 
     def update_config(self, config: SimConfig) -> None:
         self.config = config
@@ -53,12 +58,14 @@ class SimState:
         self.by_key.clear()
         self.by_status.clear()
         self.by_route.clear()
+        self.probes = 0
 
     def stats(self, with_keys: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
             "total_requests": self.total_requests,
             "by_status": dict(self.by_status),
             "by_route": dict(self.by_route),
+            "probes": self.probes,
         }
         if with_keys:
             out["by_key"] = dict(self.by_key)
@@ -286,11 +293,18 @@ async def generate(request: web.Request) -> web.Response:
     )
 
 
+UNAVAILABLE = {"error": {"message": "server is starting", "code": 503}}
+
+
 async def health(request: web.Request) -> web.Response:
+    if request.app[STATE].probe_unavailable():
+        return web.json_response(UNAVAILABLE, status=503)
     return web.json_response({"status": "ok"})
 
 
 async def models(request: web.Request) -> web.Response:
+    if request.app[STATE].probe_unavailable():
+        return web.json_response(UNAVAILABLE, status=503)
     name = request.app[STATE].config.model_name
     return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "endpoint-sim"}]})
 

@@ -9,28 +9,32 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any, cast
 
 from prefect import flow, get_run_logger, task, unmapped
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import Artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
 
-from blocks.endpoint import InferenceEndpointBlock
+from flows.params import RunParameters, in_slice, resolve_run
 from flows.retry_policy import retry_transient
-from tasks.completion_format import CompletionFormat, resolve_format
-from tasks.config import PipelineConfig, load_config
-from tasks.extract.hf_backend import HFHiddenStateRunner
-from tasks.extract.stage import extract_part, make_runner
+from tasks.artifact_store import RunStore
+from tasks.completion_format import CompletionFormat, format_for
+from tasks.config import PipelineConfig
+from tasks.errors import ExtractDeploymentError
+from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import generate_parts
-from tasks.prepare import prepare_datasets
+from tasks.generate.health import probe_endpoint
+from tasks.prepare import MANIFEST, prepare_datasets
 from tasks.reconstruct import reconstruct_part
-from tasks.report import write_validation_report
-from tasks.shards import PartRef, atomic_write_text
+from tasks.report import artifact_markdown, overview_rows, write_validation_report
+from tasks.schemas import STAGES
+from tasks.shards import PART_RE, PartRef, atomic_write_text, done_parts
 from tasks.special_tokens import format_table, verify_special_tokens
 from tasks.tokenizer_loading import load_tokenizer
-from tasks.validate import check_gates, summarize_validation, validate_part
+from tasks.validate import check_gates, gate_violations, summarize_validation, validate_part
 
 TASK_OPTIONS: dict[str, Any] = {
     "cache_policy": NO_CACHE,
@@ -39,11 +43,11 @@ TASK_OPTIONS: dict[str, Any] = {
     "retry_condition_fn": retry_transient,
 }
 
-_RUNNERS: dict[str, HFHiddenStateRunner] = {}
+_RUNNERS: dict[str, HiddenStateRunner] = {}
 
 
 def _format(cfg: PipelineConfig) -> CompletionFormat:
-    return resolve_format(cfg.tokenizer.completion_format, load_tokenizer(cfg.tokenizer))
+    return format_for(cfg, load_tokenizer(cfg.tokenizer))
 
 
 @task(name="prepare", **TASK_OPTIONS)
@@ -66,6 +70,7 @@ def check_tokenizer_task(cfg: PipelineConfig) -> str:
 
 @task(name="generate", task_run_name="generate-{n_parts}-parts", **TASK_OPTIONS)
 def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[str, Any]:
+    probe_endpoint(cfg.endpoint)
     tokenizer = load_tokenizer(cfg.tokenizer)
     reasoning_close, end_of_turn = _format(cfg).markers()
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
@@ -85,14 +90,19 @@ def validate_task(cfg: PipelineConfig, part: int) -> dict[str, Any]:
 
 @task(name="validation-report", **TASK_OPTIONS)
 def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
-    """Writes the report and the artifact first, then applies the gates, so a failed gate is explainable."""
+    """Writes the report (HTML with plots, markdown, summary.json) and the artifacts first, then applies the
+    gates, so a failed gate is explainable from the report and the UI."""
     summary = summarize_validation(cfg)
-    report = write_validation_report(cfg.run_dir, summary)
+    violations = gate_violations(summary, cfg.validation)
+    report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
     create_table_artifact(
         key="validation-summary",
-        table=summary,
+        table=overview_rows(summary),
         description=f"Per-dataset validation summary of {cfg.run_dir} (full report: {report})",
     )
+    create_markdown_artifact(key="validation-report", markdown=artifact_markdown(report, summary, violations))
+    if violations:
+        get_run_logger().error("validation gates crossed; report: %s", report)
     check_gates(summary, cfg.validation)
     return summary
 
@@ -110,28 +120,111 @@ def _done(cfg: PipelineConfig, stage: str, parts: list[int]) -> list[int]:
     return [p for p in parts if PartRef(cfg.run_dir, stage, p).is_done()]
 
 
-def run_extract(cfg: PipelineConfig, parts: list[int]) -> list[dict[str, Any]]:
+def _push(store: RunStore | None, cfg: PipelineConfig, stage: str, parts: list[int]) -> None:
+    if store is not None:
+        for part in _done(cfg, stage, parts):
+            store.push_part(PartRef(cfg.run_dir, stage, part))
+
+
+def _push_files(store: RunStore | None, cfg: PipelineConfig, stage: str) -> None:
+    """Stage-level files (manifest, quarantine, reports): everything in the stage folder but parts and markers."""
+    if store is None:
+        return
+    for path in sorted((cfg.run_dir / stage).glob("*")):
+        if path.is_file() and not path.name.startswith(".") and not PART_RE.match(path.name):
+            store.push_file(path)
+
+
+def _pull(store: RunStore | None, *stages: str) -> None:
+    if store is not None:
+        for stage in stages:
+            store.pull_stage(stage)
+            store.pull_optional(f"{stage}/{MANIFEST}")
+
+
+def _parts(cfg: PipelineConfig, stage: str) -> list[int]:
+    return [r.part for r in done_parts(cfg.run_dir, stage)]
+
+
+def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]:
+    result = prepare_task(cfg)
+    _push(store, cfg, "prompts", result["parts"])
+    _push_files(store, cfg, "prompts")
+    return result
+
+
+def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
+    check_tokenizer_task(cfg)
+    stats = generate_task(cfg, parts, len(parts))
+    _push(store, cfg, "responses", parts)
+    return stats
+
+
+def stage_cpu(
+    cfg: PipelineConfig, store: RunStore | None, parts: list[int], run: RunParameters | None = None
+) -> dict[str, Any]:
+    """reconstruct + validate over parts, on threads in this process or on a local Dask cluster."""
+    if run is not None and run.cpu_task_runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        runner: Any = DaskTaskRunner(cluster_kwargs={"n_workers": run.dask_workers, "threads_per_worker": 1})
+        out: dict[str, Any] = cpu_stages_flow.with_options(task_runner=runner)(cfg, parts)
+    else:
+        out = cpu_stages_flow(cfg, parts)
+    _push(store, cfg, "tokens", parts)
+    _push(store, cfg, "validation", parts)
+    try:
+        out["validation_summary"] = validation_report_task(cfg)
+    finally:
+        _push_files(store, cfg, "validation")
+    return out
+
+
+@flow(name="eagle3-cpu-stages", log_prints=True)
+def cpu_stages_flow(cfg: PipelineConfig, parts: list[int]) -> dict[str, Any]:
+    reconstructed = reconstruct_task.map(unmapped(cfg), _done(cfg, "responses", parts)).result()
+    validated = validate_task.map(unmapped(cfg), _done(cfg, "tokens", parts)).result()
+    return {"reconstruct": reconstructed, "validate": validated}
+
+
+def run_extract(cfg: PipelineConfig, parts: list[int], store: RunStore | None = None) -> list[dict[str, Any]]:
     """One model in one process: parts run one after another so the weights are loaded once."""
-    return [extract_task(cfg, p) for p in _done(cfg, "tokens", parts)]
+    results = []
+    for part in _done(cfg, "tokens", parts):
+        results.append(extract_task(cfg, part))
+        _push(store, cfg, "hidden_states", [part])
+    return results
 
 
-def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
+def extract_on_deployment(run: RunParameters) -> list[dict[str, Any]]:
+    """Hand the GPU stage to its own pool and wait: the CPU worker never loads the target model."""
+    name = run.extract_deployment or ""
+    params = run.model_copy(update={"extract_deployment": None}).model_dump(mode="json")
+    flow_run = cast(FlowRun, run_deployment(name, parameters={"run": params}, as_subflow=True))
+    if flow_run.state is None or not flow_run.state.is_completed():
+        message = flow_run.state.message if flow_run.state else "no state"
+        raise ExtractDeploymentError(f"{name} run {flow_run.name} ended {message}")
+    return [{"deployment": name, "flow_run": str(flow_run.id), "state": flow_run.state.name}]
+
+
+def run_pipeline(
+    cfg: PipelineConfig, store: RunStore | None = None, run: RunParameters | None = None
+) -> dict[str, Any]:
     started = time.monotonic()
     stats: dict[str, Any] = {"run_dir": str(cfg.run_dir), "config": cfg.public_dump()}
-    stats["prepare"] = prepare = prepare_task(cfg)
+    stats["prepare"] = prepare = stage_prepare(cfg, store)
     parts: list[int] = prepare["parts"]
-    stats["completion_format"] = check_tokenizer_task(cfg)
-    stats["generate"] = generate_task(cfg, parts, len(parts))
-
-    reconstruct_parts = _done(cfg, "responses", parts)
-    stats["reconstruct"] = reconstruct_task.map(unmapped(cfg), reconstruct_parts).result()
-    validate_parts = _done(cfg, "tokens", parts)
-    stats["validate"] = validate_task.map(unmapped(cfg), validate_parts).result()
-    stats["validation_summary"] = validation_report_task(cfg)
-    if cfg.extract.enabled:
-        stats["extract"] = run_extract(cfg, parts)
+    stats["completion_format"] = cfg.tokenizer.completion_format
+    stats["generate"] = stage_generate(cfg, store, parts)
+    stats.update(stage_cpu(cfg, store, parts, run))
+    if cfg.extract.enabled and run is not None and run.extract_deployment:
+        stats["extract"] = extract_on_deployment(run)
+    elif cfg.extract.enabled:
+        stats["extract"] = run_extract(cfg, parts, store)
     stats["wall_s"] = round(time.monotonic() - started, 3)
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
+    if store is not None:
+        store.push_file(cfg.run_dir / "run_summary.json")
     create_markdown_artifact(key="run-summary", markdown=_markdown_summary(stats))
     return stats
 
@@ -150,28 +243,59 @@ def _markdown_summary(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def resolve_config(config_path: str, overrides: dict[str, Any] | None, endpoint_block: str | None) -> PipelineConfig:
-    cfg = load_config(Path(config_path), overrides)
-    if endpoint_block:
-        block = cast(InferenceEndpointBlock, InferenceEndpointBlock.load(endpoint_block))
-        cfg = cfg.model_copy(update={"endpoint": block.to_endpoint_config(cfg.endpoint)})
-    return cfg
+def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
+    """on_failure: a markdown artifact saying which stage stopped where, so the UI answers 'what broke' first."""
+    lines = [f"# `{flow_run.name}` failed", "", f"**{state.type.value}**: {state.message}", ""]
+    try:
+        cfg = resolve_run(RunParameters.model_validate(flow_run.parameters.get("run", {}))).cfg
+        lines.append(f"run directory `{cfg.run_dir}`; finished parts per stage:")
+        lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
+        quarantine = cfg.run_dir / "prompts" / "quarantine.jsonl"
+        if quarantine.exists():
+            lines.append(f"- quarantined rows: {sum(1 for _ in quarantine.open())}")
+        lines.append("Rerunning the same parameters resumes from these parts.")
+    except Exception as exc:  # the hook must report, never raise: the run has already failed
+        lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
+    Artifact(type="markdown", key="failure-summary", data="\n".join(lines), flow_run_id=flow_run.id).create()
 
 
-@flow(name="eagle3-pipeline", log_prints=True)
-def pipeline(
-    config_path: str, overrides: dict[str, Any] | None = None, endpoint_block: str | None = None
-) -> dict[str, Any]:
-    """Run every stage; each resumes from the completion markers already in the run directory.
-
-    `endpoint_block` names an InferenceEndpointBlock whose fields (and secret key) replace the YAML's endpoint.
-    """
-    return run_pipeline(resolve_config(config_path, overrides, endpoint_block))
+FLOW_OPTIONS: dict[str, Any] = {"log_prints": True, "on_failure": [failure_summary_hook]}
 
 
-@flow(name="eagle3-extract", log_prints=True)
-def extract_flow(config_path: str, overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+@flow(name="eagle3-pipeline", **FLOW_OPTIONS)
+def pipeline(run: RunParameters) -> dict[str, Any]:
+    """Every stage; each resumes from the completion markers already in the run directory."""
+    resolved = resolve_run(run)
+    _pull(resolved.store, *STAGES)
+    return run_pipeline(resolved.cfg, resolved.store, run)
+
+
+@flow(name="eagle3-prepare", **FLOW_OPTIONS)
+def prepare_flow(run: RunParameters) -> dict[str, Any]:
+    resolved = resolve_run(run)
+    return stage_prepare(resolved.cfg, resolved.store)
+
+
+@flow(name="eagle3-generate", **FLOW_OPTIONS)
+def generate_flow(run: RunParameters) -> dict[str, Any]:
+    """Generate for every prepared part; a rerun retries only failed samples."""
+    resolved = resolve_run(run)
+    _pull(resolved.store, "prompts", "responses")
+    return stage_generate(resolved.cfg, resolved.store, _parts(resolved.cfg, "prompts"))
+
+
+@flow(name="eagle3-validate", **FLOW_OPTIONS)
+def validate_flow(run: RunParameters) -> dict[str, Any]:
+    """Reconstruct + validate (they share the tokenizer and run on CPU workers)."""
+    resolved = resolve_run(run)
+    _pull(resolved.store, "prompts", "responses", "tokens", "validation")
+    return stage_cpu(resolved.cfg, resolved.store, _parts(resolved.cfg, "responses"), run)
+
+
+@flow(name="eagle3-extract", **FLOW_OPTIONS)
+def extract_flow(run: RunParameters) -> list[dict[str, Any]]:
     """Hidden-state extraction alone: the flow the GPU work pool runs over an existing run directory."""
-    cfg = resolve_config(config_path, overrides, None)
-    parts = sorted(int(p.stem.split("-")[1]) for p in (cfg.run_dir / "tokens").glob("part-*.parquet"))
-    return run_extract(cfg, parts)
+    resolved = resolve_run(run)
+    _pull(resolved.store, "tokens", "validation", "hidden_states")
+    parts = [p for p in _parts(resolved.cfg, "tokens") if in_slice(p, run.part_slice)]
+    return run_extract(resolved.cfg, parts, resolved.store)

@@ -45,3 +45,15 @@ class ValidationGateError(DatagenError):
 
 class InsufficientSpaceError(DatagenError):
     pass
+
+
+class ExtractDeploymentError(DatagenError):
+    """The extraction deployment the pipeline handed the GPU stage to did not complete."""
+
+
+class EndpointUnavailableError(ConnectionError):
+    """The endpoint does not answer at all (down, starting, overloaded gateway).
+
+    Deliberately not a DatagenError: it is transient, so Prefect retries the task instead of failing the run,
+    and no sample is marked failed for an outage of the whole endpoint.
+    """

@@ -1,9 +1,8 @@
 """Prompt datasets (JSONL or Parquet; OpenAI `messages` or ShareGPT `conversations`) -> `prompts` parts.
 
 Invariants: every input row ends up in exactly one place (a prompts row, the duplicate count, or the quarantine
-file with its reason); parts hold one dataset each and are numbered deterministically, so rerunning prepare on
-the same inputs rewrites nothing, and rerunning it on *different* inputs into the same run directory is refused
-instead of silently mixing two corpora.
+file with its reason); parts hold one dataset each; a sample id is written to at most one part of a run
+directory, ever, so reruns and dataset extensions append parts and never rewrite or duplicate.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from tasks.config import DatasetConfig, PipelineConfig
 from tasks.errors import ConfigError
 from tasks.messages import ROLES, Message, prompt_messages, sample_id
 from tasks.schemas import PROMPTS
-from tasks.shards import PartRef, atomic_write_text, done_parts, write_part
+from tasks.shards import PartRef, atomic_write_text, done_parts, read_part, write_part
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MANIFEST = "_manifest.json"
@@ -39,6 +38,8 @@ class DatasetCounts:
     kept: int = 0
     duplicates: int = 0
     quarantined: int = 0
+    already_prepared: int = 0
+    new: int = 0
     parts: list[int] = field(default_factory=list)
 
 
@@ -139,7 +140,7 @@ def normalize_row(row: Any, shape: str) -> list[Message]:
 
 
 def _fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
-    """Inputs that decide the prompts parts; a run directory belongs to exactly one such fingerprint."""
+    """Inputs that decide the prompts parts: unchanged inputs let a rerun skip reading the datasets at all."""
     files = {}
     for ds in cfg.datasets:
         digest = hashlib.sha256()
@@ -155,28 +156,41 @@ def _fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
     return {"datasets": files, "samples_per_shard": cfg.samples_per_shard}
 
 
+def _existing_samples(cfg: PipelineConfig) -> tuple[set[str], dict[str, list[int]], int]:
+    """Sample ids already prepared, parts per dataset, and the next free part number."""
+    ids: set[str] = set()
+    parts: dict[str, list[int]] = {}
+    next_part = 0
+    for ref in done_parts(cfg.run_dir, "prompts"):
+        table = read_part(ref, columns=["sample_id", "dataset"])
+        ids.update(table["sample_id"].to_pylist())
+        if table.num_rows:
+            parts.setdefault(table["dataset"][0].as_py(), []).append(ref.part)
+        next_part = max(next_part, ref.part + 1)
+    return ids, parts, next_part
+
+
 def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
+    """Write parts for samples not prepared yet; existing parts are never rewritten.
+
+    Rerunning on unchanged inputs is a no-op; rerunning after a dataset grew (a nightly "extend" run) appends
+    parts holding only the new samples, so everything downstream of the old parts stays valid.
+    """
     stage_dir = cfg.run_dir / "prompts"
     manifest_path = stage_dir / MANIFEST
     fingerprint = _fingerprint(cfg)
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        if manifest["fingerprint"] != fingerprint:
-            raise ConfigError(
-                f"{cfg.run_dir} already holds prompts prepared from different inputs "
-                f"(datasets or samples_per_shard changed); use a new run_dir"
-            )
         done = {r.part for r in done_parts(cfg.run_dir, "prompts")}
-        if set(manifest["parts"]) <= done:
+        if manifest["fingerprint"] == fingerprint and set(manifest["parts"]) <= done:
             reused = {k: DatasetCounts(**v) for k, v in manifest["datasets"].items()}
             return PrepareResult(manifest["parts"], reused, stage_dir / QUARANTINE, reused=True)
 
+    existing, existing_parts, next_part = _existing_samples(cfg)
     counts: dict[str, DatasetCounts] = {}
     quarantine: list[str] = []
-    next_part = 0
-    all_parts: list[int] = []
     for ds in cfg.datasets:
-        c = counts[ds.name] = DatasetCounts()
+        c = counts[ds.name] = DatasetCounts(parts=sorted(existing_parts.get(ds.name, [])))
         seen: set[str] = set()
         rows: list[dict[str, Any]] = []
         for row_no, raw, parse_error in _raw_rows(ds):
@@ -208,6 +222,9 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
                 continue
             seen.add(sid)
             c.kept += 1
+            if sid in existing:
+                c.already_prepared += 1
+                continue
             rows.append(
                 {
                     "sample_id": sid,
@@ -217,15 +234,16 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
                     "messages": messages,
                 }
             )
+        c.new = len(rows)
         for start in range(0, len(rows), cfg.samples_per_shard):
             chunk = rows[start : start + cfg.samples_per_shard]
             ref = PartRef(cfg.run_dir, "prompts", next_part)
             table = pa.Table.from_pylist(chunk, schema=PROMPTS)
             write_part(ref, table, cfg.provenance() | {"dataset": ds.name}, {"dataset": ds.name})
             c.parts.append(next_part)
-            all_parts.append(next_part)
             next_part += 1
 
+    all_parts = sorted(p for c in counts.values() for p in c.parts)
     atomic_write_text(stage_dir / QUARANTINE, "".join(line + "\n" for line in quarantine))
     manifest = {
         "fingerprint": fingerprint,

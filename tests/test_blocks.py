@@ -1,14 +1,9 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import yaml
 
 from blocks.endpoint import InferenceEndpointBlock
 from tasks.config import EndpointConfig
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -33,16 +28,23 @@ def test_endpoint_block_round_trips_through_the_server_and_keeps_the_key_secret(
     assert "BLOCK-SECRET" not in cfg.model_dump_json()
 
 
-def test_prefect_yaml_entrypoints_exist() -> None:
-    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    import importlib
+def test_tokenizer_and_backend_blocks_convert_to_the_strict_config_sections() -> None:
+    from blocks import HiddenStateBackendBlock, TokenizerSourceBlock
+    from tasks.config import ExtractConfig
 
-    pools = {}
-    for deployment in spec["deployments"]:
-        module_path, func = deployment["entrypoint"].split(":")
-        module = importlib.import_module(module_path.removesuffix(".py").replace("/", "."))
-        flow_obj = getattr(module, func)
-        params = set(flow_obj.parameters.properties)
-        assert set(deployment["parameters"]) <= params, deployment["name"]
-        pools[deployment["name"]] = deployment["work_pool"]["name"]
-    assert pools == {"pipeline": "eagle3-cpu", "extract-gpu": "eagle3-gpu"}
+    tok = TokenizerSourceBlock(
+        path="/models/Kimi-K2.5",
+        trust_remote_code=True,
+        completion_format="kimi_k2_thinking",
+        chat_template_kwargs={"thinking": True},
+    ).to_tokenizer_config()
+    assert (str(tok.path), tok.trust_remote_code, tok.completion_format) == (
+        "/models/Kimi-K2.5",
+        True,
+        "kimi_k2_thinking",
+    )
+    assert tok.chat_template_kwargs == {"thinking": True}
+    base = ExtractConfig(max_shard_bytes=4096, skip_failed_validation=False)
+    ext = HiddenStateBackendBlock(backend="sglang", device="cuda", layers=[2, 30, 57]).to_extract_config(base)
+    assert (ext.backend, ext.device, ext.layers, ext.max_shard_bytes) == ("sglang", "cuda", [2, 30, 57], 4096)
+    assert ext.skip_failed_validation is False

@@ -12,11 +12,13 @@ import pytest
 
 from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.cli import demo_config_path
+from flows.params import RunParameters
 from flows.pipeline import pipeline
 from tasks.config import TokenizerConfig
 from tasks.schemas import STAGES
 from tasks.shards import PartRef, done_parts, read_part
 from tasks.tokenizer_loading import load_tokenizer, render_prompt
+from tests.conftest import DEMO_DATA
 
 
 def _table(run_dir: Path, stage: str) -> pa.Table:
@@ -56,7 +58,8 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
             "endpoint.base_url": sim.base_url,
             "tokenizer.path": str(tiny_model_dir),
         }
-        state = pipeline(str(demo_config_path()), overrides, return_state=True)
+        run = RunParameters(config_path=str(demo_config_path()), overrides=overrides)
+        state = pipeline(run, return_state=True)
         assert state.is_completed(), state.message
         stats = state.result()
 
@@ -100,8 +103,36 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
 
         sent = _sim_total(sim.base_url)
         marker_times = {str(r): r.marker.stat().st_mtime_ns for s in STAGES for r in done_parts(run_dir, s)}
-        again = pipeline(str(demo_config_path()), overrides, return_state=True)
+        again = pipeline(run, return_state=True)
         assert again.is_completed(), again.message
         assert _sim_total(sim.base_url) == sent, "a rerun re-sent requests for finished samples"
         assert {str(r): r.marker.stat().st_mtime_ns for s in STAGES for r in done_parts(run_dir, s)} == marker_times
         assert PartRef(run_dir, "tokens", 0).is_done()
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summary(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from prefect.artifacts import Artifact
+
+    run_dir = tmp_path / "gated"
+    with SimulatorServer(tiny_model_dir, SimConfig(text_mismatch_rate=0.5)) as sim:
+        run = RunParameters(
+            config_path=str(demo_config_path()),
+            overrides={
+                "run_dir": str(run_dir),
+                "endpoint.base_url": sim.base_url,
+                "tokenizer.path": str(tiny_model_dir),
+                "validation.max_real_difference_rate": 0.01,
+                "datasets": [{"name": "B3", "path": str(DEMO_DATA / "demo_b3.parquet"), "shape": "sharegpt"}],
+            },
+        )
+        state = pipeline(run, return_state=True)
+    assert state.is_failed()
+    assert "real_difference" in (state.message or "") or "gate" in (state.message or "").lower()
+    assert (run_dir / "validation" / "report.md").exists()
+    assert not done_parts(run_dir, "hidden_states"), "extraction must not run past a crossed gate"
+    summary = Artifact.get("failure-summary")
+    assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id
+    assert "validation: 2" in str(summary.data) and "hidden_states: 0" in str(summary.data)

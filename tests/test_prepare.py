@@ -5,10 +5,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from tasks.config import PipelineConfig
-from tasks.errors import ConfigError
 from tasks.messages import sample_id
 from tasks.prepare import prepare_datasets
 from tasks.shards import PartRef, done_parts, read_part
@@ -97,16 +95,22 @@ def test_sample_ids_are_content_keyed_and_per_dataset(tmp_path: Path) -> None:
     assert not ids[0] & ids[2]
 
 
-def test_rerun_reuses_and_changed_inputs_are_refused(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "b1.jsonl", GOOD)
+def test_rerun_reuses_and_an_extended_dataset_appends_parts(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "b1.jsonl", GOOD[:5])
     cfg = make_cfg(tmp_path, [{"name": "B1", "path": path}])
-    assert not prepare_datasets(cfg).reused
-    mtime = PartRef(cfg.run_dir, "prompts", 0).path.stat().st_mtime_ns
+    assert prepare_datasets(cfg).parts == [0, 1]
+    mtimes = {r.part: r.path.stat().st_mtime_ns for r in done_parts(cfg.run_dir, "prompts")}
     assert prepare_datasets(cfg).reused
-    assert PartRef(cfg.run_dir, "prompts", 0).path.stat().st_mtime_ns == mtime
-    write_jsonl(path, GOOD[:2])
-    with pytest.raises(ConfigError, match="different inputs"):
-        prepare_datasets(cfg)
+
+    extra = [{"messages": [{"role": "user", "content": f"new {i}"}]} for i in range(3)]
+    write_jsonl(path, [*extra[:1], *GOOD, *extra[1:]])
+    result = prepare_datasets(cfg)
+    counts = result.datasets["B1"]
+    assert (counts.kept, counts.already_prepared, counts.new) == (9, 5, 4)
+    assert result.parts == [0, 1, 2]
+    assert {r.part: r.path.stat().st_mtime_ns for r in done_parts(cfg.run_dir, "prompts") if r.part < 2} == mtimes
+    ids = [i for r in done_parts(cfg.run_dir, "prompts") for i in read_part(r)["sample_id"].to_pylist()]
+    assert len(ids) == len(set(ids)) == 9
 
 
 def test_bundled_demo_data_has_the_planted_bad_rows(tmp_path: Path) -> None:

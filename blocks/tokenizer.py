@@ -1,0 +1,36 @@
+"""Where the target's tokenizer lives on the workers, as a Block, so every flow of a project reconstructs ids
+with the same files and the same completion format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+from tasks.config import TokenizerConfig
+
+
+class TokenizerSourceBlock(Block):
+    _block_type_slug = "eagle3-tokenizer-source"
+    _block_type_name = "EAGLE-3 Tokenizer Source"
+    _description = "Local model directory holding the target's tokenizer files and chat template."
+
+    path: str = Field(description="Directory on every worker (never a hub id): tokenizer files + chat template.")
+    revision: str | None = Field(default=None, description="Recorded in provenance next to the files' hash.")
+    trust_remote_code: bool = False
+    completion_format: str = Field(default="auto", description="Preset name, or 'auto' to derive from the template.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Template variables the server renders with, e.g. {'thinking': true}."
+    )
+
+    def to_tokenizer_config(self) -> TokenizerConfig:
+        return TokenizerConfig.model_validate(
+            {
+                "path": self.path,
+                "revision": self.revision,
+                "trust_remote_code": self.trust_remote_code,
+                "completion_format": self.completion_format,
+                "chat_template_kwargs": self.chat_template_kwargs,
+            }
+        )

@@ -1,0 +1,112 @@
+"""Flow parameters as one pydantic model, so the Prefect UI renders a validated run form, and the resolution of
+that form (YAML or inline config, overrides, block names) into the strict `PipelineConfig` the stages use.
+
+Secrets never travel as parameters: an inline config carrying `endpoint.api_key` is refused, because Prefect
+stores flow-run parameters in its database; keys come from an InferenceEndpointBlock or an environment variable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from blocks.artifact_store import ArtifactStoreBlock
+from blocks.backend import HiddenStateBackendBlock
+from blocks.endpoint import InferenceEndpointBlock
+from blocks.tokenizer import TokenizerSourceBlock
+from tasks.artifact_store import RunStore
+from tasks.config import PipelineConfig, apply_overrides, load_config
+
+
+class RunParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    config_path: str | None = Field(default=None, description="YAML config file, as seen from the worker.")
+    config: dict[str, Any] | None = Field(
+        default=None, description="Inline config (same keys as the YAML). API keys must come from a block or env."
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Dotted keys, e.g. {'endpoint.max_in_flight': 500}."
+    )
+    endpoint_block: str | None = Field(default=None, description="InferenceEndpointBlock name (holds the API key).")
+    tokenizer_block: str | None = Field(default=None, description="TokenizerSourceBlock name.")
+    artifact_store_block: str | None = Field(default=None, description="ArtifactStoreBlock name (shared run dirs).")
+    backend_block: str | None = Field(default=None, description="HiddenStateBackendBlock name (GPU stage).")
+    cpu_task_runner: Literal["threads", "dask"] = Field(
+        default="threads", description="Runner for per-part CPU stages (reconstruct, validate)."
+    )
+    dask_workers: int = Field(default=2, ge=1, le=512, description="Local Dask worker processes when 'dask'.")
+    part_slice: str | None = Field(
+        default=None,
+        pattern=r"^[0-9]+/[1-9][0-9]*$",
+        description="'i/n': only parts with part % n == i, to split extraction across n GPU hosts.",
+    )
+    extract_deployment: str | None = Field(
+        default=None,
+        description="Run extraction as this deployment (e.g. 'eagle3-extract/extract-gpu', on the GPU pool) "
+        "and wait for it, instead of in this process.",
+    )
+
+    @model_validator(mode="after")
+    def _one_config(self) -> RunParameters:
+        if (self.config_path is None) == (self.config is None):
+            raise ValueError("give exactly one of config_path or config")
+        endpoint = (self.config or {}).get("endpoint") or {}
+        if isinstance(endpoint, dict) and endpoint.get("api_key"):
+            raise ValueError("an inline config must not carry endpoint.api_key; use endpoint_block or api_key_env")
+        if self.part_slice is not None:
+            index, count = (int(x) for x in self.part_slice.split("/"))
+            if index >= count:
+                raise ValueError(f"part_slice {self.part_slice!r}: index must be < count")
+        if "endpoint.api_key" in self.overrides:
+            raise ValueError("overrides must not carry endpoint.api_key; use endpoint_block or api_key_env")
+        return self
+
+
+def in_slice(part: int, part_slice: str | None) -> bool:
+    if part_slice is None:
+        return True
+    index, count = (int(x) for x in part_slice.split("/"))
+    return part % count == index
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    cfg: PipelineConfig
+    store: RunStore | None
+
+
+def _load_block(cls: type[Any], name: str) -> Any:
+    return cls.load(name)
+
+
+def resolve_run(params: RunParameters) -> ResolvedRun:
+    if params.config_path is not None:
+        cfg = load_config(Path(params.config_path), params.overrides)
+    else:
+        cfg = PipelineConfig.model_validate(apply_overrides(dict(params.config or {}), params.overrides))
+    update: dict[str, Any] = {}
+    if params.endpoint_block:
+        endpoint = cast(InferenceEndpointBlock, _load_block(InferenceEndpointBlock, params.endpoint_block))
+        update["endpoint"] = endpoint.to_endpoint_config(cfg.endpoint)
+    if params.tokenizer_block:
+        tokenizer = cast(TokenizerSourceBlock, _load_block(TokenizerSourceBlock, params.tokenizer_block))
+        update["tokenizer"] = tokenizer.to_tokenizer_config()
+    if params.backend_block:
+        backend = cast(HiddenStateBackendBlock, _load_block(HiddenStateBackendBlock, params.backend_block))
+        update["extract"] = backend.to_extract_config(cfg.extract)
+    store = None
+    if params.artifact_store_block:
+        block = cast(ArtifactStoreBlock, _load_block(ArtifactStoreBlock, params.artifact_store_block))
+        update["run_dir"] = block.local_run_dir(cfg.run_dir.name)
+        store = block.run_store(cfg.run_dir.name)
+    if update:
+        cfg = PipelineConfig.model_validate({**cfg.model_dump(), **{k: _dumpable(v) for k, v in update.items()}})
+    return ResolvedRun(cfg, store)
+
+
+def _dumpable(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, BaseModel) else value

@@ -1,0 +1,71 @@
+"""Deployment files validated with the tools' own models: Prefect's prefect.yaml and automation schemas, the
+Compose specification's JSON schema (tests/schemas/compose_spec.json, from the docker-compose 1.29.2 wheel), and
+hadolint for the Dockerfiles (`make lint`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from prefect.cli.deploy._models import PrefectYamlModel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(path: str) -> Any:
+    return yaml.safe_load((REPO / path).read_text())
+
+
+def test_prefect_yaml_parses_with_prefects_model_and_parameters_match_the_flows() -> None:
+    from flows.params import RunParameters
+
+    spec = PrefectYamlModel.model_validate(_load("deployments/prefect.yaml"))
+    pools = {}
+    for deployment in spec.deployments:
+        assert deployment.entrypoint and deployment.work_pool and deployment.name
+        module_path, func = deployment.entrypoint.split(":")
+        flow_obj = getattr(importlib.import_module(module_path.removesuffix(".py").replace("/", ".")), func)
+        assert set(deployment.parameters) == set(flow_obj.parameters.properties) == {"run"}
+        RunParameters.model_validate(deployment.parameters["run"])
+        pools[deployment.name] = (deployment.work_pool.name, deployment.concurrency_limit)
+    assert pools == {
+        "pipeline": ("eagle3-cpu", None),
+        "extract-gpu": ("eagle3-gpu", 1),
+        "nightly-rerun": ("eagle3-cpu", None),
+    }
+    nightly = next(d for d in spec.deployments if d.name == "nightly-rerun")
+    assert nightly.schedules and nightly.schedules[0].model_dump(exclude_none=True)["cron"] == "0 2 * * *"
+
+
+def test_automations_parse_with_prefects_model() -> None:
+    sys.path.insert(0, str(REPO / "deployments"))
+    try:
+        from create_automations import load_automations
+    finally:
+        sys.path.pop(0)
+    block_id = str(uuid.uuid4())
+    automations = load_automations(REPO / "deployments" / "automations.yaml", block_id)
+    assert [a.name for a in automations] == ["eagle3 flow run failed", "eagle3 gpu pool has no worker"]
+    assert all(str(a.actions[0].model_dump()["block_document_id"]) == block_id for a in automations)
+
+
+def test_compose_file_matches_the_compose_spec_and_wires_gpu_and_shared_volume() -> None:
+    schema = json.loads((REPO / "tests" / "schemas" / "compose_spec.json").read_text())
+    compose = _load("docker/compose.yaml")
+    jsonschema.validate(compose, schema)
+    services = compose["services"]
+    assert set(services) == {"postgres", "prefect-server", "cpu-worker", "gpu-worker"}
+    gpu = services["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"]
+    assert "runs:/runs" in services["cpu-worker"]["volumes"] and "runs:/runs" in services["gpu-worker"]["volumes"]
+    assert "postgresql+asyncpg" in services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+    for name in ("cpu-worker", "gpu-worker"):
+        dockerfile = (REPO / "docker" / Path(services[name]["build"]["dockerfile"]).name).read_text()
+        pool = "eagle3-cpu" if name == "cpu-worker" else "eagle3-gpu"
+        assert f'"--pool", "{pool}"' in dockerfile

@@ -1,0 +1,215 @@
+"""Production path, for real: `prefect server start` on loopback, pools, blocks, `prefect deploy` from
+deployments/prefect.yaml, two process workers on the CPU pool and one on the GPU pool, a run triggered through the
+REST call the UI's Run button makes, and a transient endpoint outage that the generate task survives by retrying.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from endpoint_sim.server import SimConfig, SimulatorServer
+from flows.cli import demo_config_path
+from tasks.schemas import STAGES
+from tasks.shards import done_parts
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited early:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"prefect server not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+class Cluster:
+    """A Prefect server plus the CLI environment that talks to it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        common = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
+        self.server_env = {
+            **base,
+            **common,
+            "PREFECT_HOME": str(root / "server-home"),
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root}/prefect.db",
+        }
+        self.client_env = {
+            **base,
+            **common,
+            "PREFECT_HOME": str(root / "client-home"),
+            "PREFECT_API_URL": self.url,
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+            "EAGLE3_DATAGEN_HOME": str(REPO),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, args: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen[bytes]:
+        log = (self.root / log_name).open("wb")
+        proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def api(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = httpx.request(method, f"{self.url}{path}", timeout=30, **kwargs)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("prefect-cluster"))
+    server = c.spawn(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(c.port)], c.server_env, "server.log"
+    )
+    try:
+        _wait_healthy(c.url, server, c.root / "server.log")
+        yield c
+    finally:
+        c.stop()
+
+
+def _wait_flow_run(c: Cluster, flow_run_id: str, timeout_s: float = 420) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run: dict[str, Any] = c.api("GET", f"/flow_runs/{flow_run_id}")
+        if run["state"]["type"] in TERMINAL:
+            return run
+        time.sleep(1)
+    logs = "\n".join(p.read_text()[-2000:] for p in sorted(c.root.glob("worker-*.log")))
+    raise TimeoutError(f"flow run {flow_run_id} not finished after {timeout_s} s; worker logs:\n{logs}")
+
+
+def _state_names(c: Cluster, task_run_id: str, timeout_s: float = 30) -> list[str]:
+    """Task-run states arrive through the event pipeline, so the history can lag the final state briefly."""
+    deadline = time.monotonic() + timeout_s
+    names: list[str] = []
+    while time.monotonic() < deadline:
+        states = c.api("GET", "/task_run_states/", params={"task_run_id": task_run_id})
+        names = [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
+        if names and names[-1] == "Completed":
+            return names
+        time.sleep(1)
+    return names
+
+
+def test_deployed_pipeline_runs_on_workers_and_retries_a_transient_outage(
+    cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks import ArtifactStoreBlock, HiddenStateBackendBlock, InferenceEndpointBlock
+
+    c = cluster
+    runs_root = tmp_path / "shared-runs"
+    setup = subprocess.run(
+        ["bash", "deployments/setup.sh"], env=c.client_env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert setup.returncode == 0, f"{setup.stdout}\n{setup.stderr}"
+    assert "registered 4 blocks" in setup.stdout
+    assert c.api("GET", "/work_pools/eagle3-gpu")["concurrency_limit"] == 1
+    for slug in ("eagle3-artifact-store", "eagle3-hidden-state-backend", "eagle3-inference-endpoint"):
+        assert c.api("GET", f"/block_types/slug/{slug}")["slug"] == slug
+
+    with SimulatorServer(tiny_model_dir, SimConfig(noncanonical_rate=0.2, unavailable_probes=1)) as sim:
+        with temporary_settings({PREFECT_API_URL: c.url}):
+            InferenceEndpointBlock(
+                kind="sglang_generate", base_url=sim.base_url, model="sim/tiny", api_key="sk-e2e-SECRET-KEY"
+            ).save("eagle3-endpoint", overwrite=True)
+            ArtifactStoreBlock(location=str(runs_root)).save("eagle3-runs", overwrite=True)
+            HiddenStateBackendBlock(backend="hf", device="cpu", dtype="bfloat16").save(
+                "eagle3-gpu-backend", overwrite=True
+            )
+
+        for i, pool in enumerate(["eagle3-cpu", "eagle3-cpu", "eagle3-gpu"]):
+            c.spawn(
+                [PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--name", f"{pool}-{i}"],
+                c.client_env,
+                f"worker-{i}.log",
+            )
+
+        deployment = c.api("GET", "/deployments/name/eagle3-pipeline/pipeline")
+        assert deployment["parameter_openapi_schema"]["properties"]["run"], "UI run form must come from the model"
+        run_params = {
+            **deployment["parameters"]["run"],
+            "config_path": str(demo_config_path()),
+            "overrides": {"run_dir": "e2e", "tokenizer.path": str(tiny_model_dir), "samples_per_shard": 24},
+            "cpu_task_runner": "dask",
+            "dask_workers": 2,
+        }
+        flow_run = c.api(
+            "POST", f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"run": run_params}}
+        )
+        final = _wait_flow_run(c, flow_run["id"])
+        assert final["state"]["type"] == "COMPLETED", final["state"]
+
+    run_dir = runs_root / "e2e"
+    for stage in STAGES:
+        assert done_parts(run_dir, stage), f"no finished {stage} parts in {run_dir}"
+
+    workers = c.api("POST", "/work_pools/eagle3-cpu/workers/filter", json={})
+    assert len(workers) == 2
+
+    extract_runs = c.api(
+        "POST",
+        "/flow_runs/filter",
+        json={"flow_runs": {"parent_flow_run_id": {"any_": [flow_run["id"]]}}},
+    )
+    gpu_runs = [r for r in extract_runs if r.get("work_pool_name") == "eagle3-gpu"]
+    assert gpu_runs and all(r["state"]["type"] == "COMPLETED" for r in gpu_runs), extract_runs
+
+    artifacts = c.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+    assert {"validation-summary", "run-summary"} <= {a["key"] for a in artifacts}
+
+    task_runs = c.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+    generate = [t for t in task_runs if t["name"].startswith("generate")]
+    assert len(generate) == 1
+    names = _state_names(c, generate[0]["id"])
+    assert "Retrying" in names and names[-1] == "Completed", names
+    assert names.index("Retrying") < len(names) - 1
+
+    for path in [*run_dir.rglob("*.parquet"), *run_dir.rglob("*.json"), *c.root.glob("*.log")]:
+        assert b"SECRET-KEY" not in path.read_bytes(), f"API key leaked into {path}"
