@@ -1,4 +1,4 @@
-"""`eagle3-datagen` command line: `run CONFIG.yaml` and `demo`.
+"""`eagle3-datagen` command line: `run CONFIG.yaml`, `demo`, and `export RUN_DIR` (trainer layouts).
 
 Prefect is imported lazily, after the environment defaults below are in place, because its settings are read
 once at import time.
@@ -45,9 +45,15 @@ def demo_config_path() -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _prefect_env()
+    from flows.params import RunParameters
     from flows.pipeline import pipeline
 
-    stats = pipeline(str(Path(args.config).resolve()), _parse_overrides(args.set or []))
+    run = RunParameters(
+        config_path=str(Path(args.config).resolve()),
+        overrides=_parse_overrides(args.set or []),
+        endpoint_block=args.endpoint_block,
+    )
+    stats = pipeline(run)
     print(json.dumps({k: stats[k] for k in ("run_dir", "wall_s")}, indent=2))
     return 0
 
@@ -56,6 +62,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _prefect_env()
     from endpoint_sim.assets import ensure_tiny_model_dir
     from endpoint_sim.server import SimConfig, SimulatorServer
+    from flows.params import RunParameters
     from flows.pipeline import pipeline
 
     run_dir = Path(args.run_dir).resolve()
@@ -70,7 +77,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "endpoint.base_url": sim.base_url,
             "tokenizer.path": str(model_dir),
         }
-        stats = pipeline(str(demo_config_path()), overrides)
+        stats = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides))
     wall_s = time.monotonic() - started
     print_demo_summary(stats, wall_s)
     return 0
@@ -111,8 +118,17 @@ def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
         f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
         f"({prep['quarantine_path']})\n"
         f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
-        f"hidden-state parts {len(stats.get('extract', []))}; report: {stats['run_dir']}/validation/report.md"
+        f"hidden-state parts {len(stats.get('extract', []))}; report: {stats['run_dir']}/validation/report.html"
     )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """No Prefect: an export is a local file conversion of a finished run directory."""
+    from tasks.export import export_run
+
+    stats = export_run(Path(args.run_dir).resolve(), args.format, Path(args.out).resolve())
+    print(json.dumps(stats, indent=2))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the pipeline flow on a config file")
     run.add_argument("config")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (dotted key)")
+    run.add_argument("--endpoint-block", help="InferenceEndpointBlock name whose fields and key replace endpoint")
     run.set_defaults(func=cmd_run)
     demo = sub.add_parser("demo", help="start the local endpoint simulator and run the bundled demo config")
     demo.add_argument("--run-dir", default="runs/demo")
@@ -128,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fresh", action="store_true", help="delete the run directory first")
     demo.add_argument("--noncanonical-rate", type=float, default=0.1)
     demo.set_defaults(func=cmd_demo)
+    export = sub.add_parser("export", help="write a run's hidden states in a trainer's offline layout")
+    export.add_argument("run_dir")
+    export.add_argument("--format", required=True, choices=["specforge", "speculators"])
+    export.add_argument("--out", required=True, help="output directory (created; resumable)")
+    export.set_defaults(func=cmd_export)
     return parser
 
 

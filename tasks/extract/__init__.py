@@ -1,4 +1,4 @@
-"""Target-model hidden states for EAGLE-3 drafters: layer choice, capture backend, shard storage, stage."""
+"""Target-model hidden states for EAGLE-3 drafters: layer choice, capture backends, shard storage, stage."""
 
 from tasks.extract.layers import LayerSelectionError, default_aux_layers, resolve_layers, validate_layers
 from tasks.extract.storage import estimate_bytes, load_hidden_states

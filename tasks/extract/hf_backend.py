@@ -1,71 +1,40 @@
 """Hidden-state capture with transformers: the target model runs once per batch and only the tensors the
 drafter needs leave it.
 
-Forward hooks on the configured decoder layers and on the final norm collect exactly four tensors per batch;
-the base model (`get_decoder()`) runs instead of the CausalLM, so no lm_head logits ([T, vocab], by far the
-largest activation) are ever computed, and `output_hidden_states` is not requested, so the other N - 3 layer
-outputs are never kept. Batches are packed by a padded-token budget over length-sorted samples, longest first,
-so an out-of-memory budget fails on the first batch rather than hours in.
+Forward hooks on the configured decoder layers (and on the final norm, unless only aux states are stored)
+copy each layer's unpadded rows into one preallocated per-batch buffer as the layer finishes, so no layer
+output outlives its hook and `output_hidden_states` (every layer kept) is never requested. The base model
+(`get_decoder()`) runs instead of the CausalLM, so no lm_head logits ([T, vocab], by far the largest
+activation) are computed. Batches are planned by a padded-token budget over length-sorted samples, longest
+first, so an out-of-memory budget fails on the first batch rather than hours in.
+
+Rows are gathered with index tensors prepared on the host, never with boolean masks, because a boolean index
+makes the host wait for the device: with index gathers the next batch's kernels are queued while this batch's
+rows are still being copied to the host (`capture.HostStager`).
+
+`device_map` hands placement to accelerate (layers spread over the visible GPUs, for models larger than one);
+inputs then go to the embedding's device and the buffers live where the final norm runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tasks.errors import ConfigError
+from tasks.extract.capture import CapturedBatch, plan_padded_batches
 from tasks.extract.layers import resolve_layers
-from tasks.extract.storage import DTYPES
+from tasks.extract.storage import DTYPES, StateLayout, dtype_name
 
 if TYPE_CHECKING:
     from tasks.config import PipelineConfig
-
-
-@dataclass(frozen=True)
-class CapturedStates:
-    """One sample's states, unpadded, on CPU: `aux` [T, 3H] (layers concatenated in order), `final` [T, H]."""
-
-    aux: torch.Tensor
-    final: torch.Tensor
-
-
-@dataclass(frozen=True)
-class CapturedBatch:
-    """States of one forward pass; `indices` are positions in the sequence list given to `iter_captures`."""
-
-    indices: list[int]
-    states: list[CapturedStates]
-    padded_tokens: int
-
-
-def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Pack sample indices longest first while batch_size x longest <= max_tokens (padded tokens).
-
-    A sample longer than the budget still runs, alone: it cannot be split without changing its states.
-    """
-    if max_tokens < 1:
-        raise ConfigError(f"extract.max_tokens_per_batch must be >= 1, got {max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = 0
-    for i in order:
-        if current and (len(current) + 1) * width > max_tokens:
-            batches.append(current)
-            current = []
-        if not current:
-            width = lengths[i]
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,31 +58,34 @@ def _tensor_output(output: Any) -> torch.Tensor:
     raise ConfigError(f"cannot read a hidden state from a module output of type {type(output).__name__}")
 
 
+def _module_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    for param in module.parameters():
+        return param.device
+    return fallback
+
+
 class HFHiddenStateRunner:
-    """A target model loaded from a local directory, with hooks capturing aux and final states per batch."""
+    """A target model with hooks capturing aux (and final) states per batch; build it with `load` or
+    `from_config`, or wrap an already built model (benchmarks, tests) with the constructor."""
 
     backend = "hf"
 
     def __init__(
         self,
-        model_path: Path,
+        model: PreTrainedModel,
         *,
+        model_path: Path,
         layers: Sequence[int] | None = None,
-        dtype: str = "bfloat16",
-        device: str = "auto",
         max_tokens_per_batch: int = 8192,
+        store_final_state: bool = True,
+        device_map: str | None = None,
     ) -> None:
-        if dtype not in DTYPES:
-            raise ConfigError(f"extract.dtype {dtype!r} not one of {sorted(DTYPES)}")
-        if not Path(model_path).is_dir():
-            raise ConfigError(f"extract model path {model_path} is not a local directory")
         self.model_path = Path(model_path)
-        self.dtype_name = dtype
-        self.dtype = DTYPES[dtype]
-        self.device = resolve_device(device)
+        self.dtype = model.dtype
+        self.dtype_name = dtype_name(self.dtype)
         self.max_tokens_per_batch = max_tokens_per_batch
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype, local_files_only=True)
-        cast(nn.Module, model).to(self.device)
+        self.store_final_state = store_final_state
+        self.device_map = device_map
         model.eval()
         self._model = model
         text_config = model.config.get_text_config()
@@ -122,40 +94,112 @@ class HFHiddenStateRunner:
         self.layers = resolve_layers(layers, self.num_layers)
         pad = getattr(text_config, "pad_token_id", None)
         self._pad_id = pad if isinstance(pad, int) else 0
-        self._decoder: nn.Module = model.get_decoder()
-        decoder_layers = getattr(self._decoder, "layers", None)
-        norm = getattr(self._decoder, "norm", None)
+        self.decoder: nn.Module = model.get_decoder()
+        decoder_layers = getattr(self.decoder, "layers", None)
+        norm = getattr(self.decoder, "norm", None)
         if not isinstance(decoder_layers, nn.ModuleList) or not isinstance(norm, nn.Module):
             raise ConfigError(
-                f"{type(self._decoder).__name__} has no `layers` ModuleList and `norm` module; "
+                f"{type(self.decoder).__name__} has no `layers` ModuleList and `norm` module; "
                 "the hf backend cannot hook it"
             )
         if len(decoder_layers) != self.num_layers:
             raise ConfigError(f"config says {self.num_layers} layers, the decoder holds {len(decoder_layers)}")
-        self._captured: dict[str, torch.Tensor] = {}
-        self._aux_keys = [f"layer{k}" for k in self.layers]
+        embeddings = model.get_input_embeddings()
+        self.input_device = _module_device(embeddings, torch.device("cpu"))
+        self.capture_device = _module_device(norm, self.input_device)
+        self.layout = StateLayout(tuple(self.layers), self.hidden_size, self.dtype, store_final_state)
+        self._capturing = True
+        self._keep: dict[torch.device, torch.Tensor] = {}
+        self._rows = 0
+        self._aux: torch.Tensor | None = None
+        self._final: torch.Tensor | None = None
+        self._filled: set[str] = set()
         self._hooks = [
-            decoder_layers[k].register_forward_hook(self._hook(key))
-            for k, key in zip(self.layers, self._aux_keys, strict=True)
+            decoder_layers[k].register_forward_hook(self._hook(f"layer{k}", slot)) for slot, k in enumerate(self.layers)
         ]
-        self._hooks.append(norm.register_forward_hook(self._hook("final")))
+        if store_final_state:
+            self._hooks.append(norm.register_forward_hook(self._hook("final", None)))
         self.forward_passes = 0
 
     @classmethod
-    def from_config(cls, cfg: PipelineConfig) -> HFHiddenStateRunner:
+    def load(
+        cls,
+        model_path: Path,
+        *,
+        layers: Sequence[int] | None = None,
+        dtype: str = "bfloat16",
+        device: str = "auto",
+        device_map: str | None = None,
+        max_tokens_per_batch: int = 8192,
+        store_final_state: bool = True,
+    ) -> HFHiddenStateRunner:
+        if dtype not in DTYPES:
+            raise ConfigError(f"extract.dtype {dtype!r} not one of {sorted(DTYPES)}")
+        if not Path(model_path).is_dir():
+            raise ConfigError(f"extract model path {model_path} is not a local directory")
+        if device_map is not None and device != "auto":
+            raise ConfigError(f"extract.device_map {device_map!r} places the model itself; leave extract.device auto")
+        if device_map is None:
+            target = resolve_device(device)
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=DTYPES[dtype], local_files_only=True)
+            cast(nn.Module, model).to(target)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=DTYPES[dtype], device_map=device_map, local_files_only=True
+            )
         return cls(
+            model,
+            model_path=Path(model_path),
+            layers=layers,
+            max_tokens_per_batch=max_tokens_per_batch,
+            store_final_state=store_final_state,
+            device_map=device_map,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: PipelineConfig) -> HFHiddenStateRunner:
+        return cls.load(
             cfg.extract_model_path,
             layers=cfg.extract.layers,
             dtype=cfg.extract.dtype,
             device=cfg.extract.device,
+            device_map=cfg.extract.device_map,
             max_tokens_per_batch=cfg.extract.max_tokens_per_batch,
+            store_final_state=cfg.extract.store_final_state,
         )
 
-    def _hook(self, key: str) -> Callable[[nn.Module, Any, Any], None]:
+    def _hook(self, key: str, slot: int | None) -> Callable[[nn.Module, Any, Any], None]:
+        width = self.hidden_size
+
         def capture(module: nn.Module, args: Any, output: Any) -> None:
-            self._captured[key] = _tensor_output(output)
+            if not self._capturing:
+                return
+            hidden = _tensor_output(output)
+            flat = hidden.reshape(-1, width)
+            keep = self._keep.get(flat.device)
+            if keep is None:
+                keep = self._keep[flat.device] = self._keep[torch.device("cpu")].to(flat.device, non_blocking=True)
+            rows = flat if keep.numel() == flat.shape[0] else flat.index_select(0, keep)
+            if slot is None:
+                if self._final is None:
+                    raise ConfigError("final-state hook fired without a batch buffer")
+                self._final.copy_(rows, non_blocking=True)
+            else:
+                if self._aux is None:
+                    raise ConfigError("aux hook fired without a batch buffer")
+                self._aux[:, slot * width : (slot + 1) * width].copy_(rows, non_blocking=True)
+            self._filled.add(key)
 
         return capture
+
+    @contextmanager
+    def hooks_paused(self) -> Iterator[None]:
+        """Run the decoder without capturing (the benchmark's raw-forward reference)."""
+        self._capturing = False
+        try:
+            yield
+        finally:
+            self._capturing = True
 
     def provenance(self) -> dict[str, Any]:
         return {
@@ -165,57 +209,65 @@ class HFHiddenStateRunner:
             "extract_dtype": self.dtype_name,
             "extract_num_layers": self.num_layers,
             "extract_hidden_size": self.hidden_size,
-            "extract_device": str(self.device),
+            "extract_device": str(self.input_device),
+            "extract_device_map": self.device_map,
+            "extract_store_final_state": self.store_final_state,
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,
         }
 
-    def _empty(self) -> CapturedStates:
-        return CapturedStates(
-            aux=torch.empty(0, len(self.layers) * self.hidden_size, dtype=self.dtype),
-            final=torch.empty(0, self.hidden_size, dtype=self.dtype),
-        )
-
-    def run_batch(self, sequences: Sequence[Sequence[int]]) -> list[CapturedStates]:
-        """One right-padded forward pass; returns each sample's states unpadded, in input order, on CPU."""
-        lengths = [len(s) for s in sequences]
-        width = max(lengths, default=0)
-        if width == 0:
-            return [self._empty() for _ in sequences]
+    def pad_batch(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded input ids and attention mask on the input device."""
+        width = max((len(s) for s in sequences), default=0)
         ids = torch.full((len(sequences), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
-        self._captured.clear()
-        try:
-            with torch.inference_mode():
-                ids_dev = ids.to(self.device)
-                mask_dev = mask.to(self.device)
-                self._decoder(input_ids=ids_dev, attention_mask=mask_dev, use_cache=False)
-                self.forward_passes += 1
-                missing = [k for k in [*self._aux_keys, "final"] if k not in self._captured]
-                if missing:
-                    raise ConfigError(f"forward pass did not reach hooked modules {missing}")
-                keep = mask_dev.bool()
-                aux = torch.cat([self._captured[k] for k in self._aux_keys], dim=-1)[keep]
-                final = self._captured["final"][keep]
-                aux_cpu = aux.to(device="cpu", dtype=self.dtype)
-                final_cpu = final.to(device="cpu", dtype=self.dtype)
-        finally:
-            self._captured.clear()
-        return [
-            CapturedStates(aux=a, final=f)
-            for a, f in zip(aux_cpu.split(lengths), final_cpu.split(lengths), strict=True)
-        ]
+        return ids.to(self.input_device), mask.to(self.input_device)
 
-    def iter_captures(self, sequences: Sequence[Sequence[int]]) -> Iterator[CapturedBatch]:
-        """Yield batch by batch so a caller can write states out without holding a whole part in memory."""
+    def run_batch(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> CapturedBatch:
+        """One right-padded forward pass; the batch's rows, unpadded and in `indices` order, on the device."""
         lengths = [len(s) for s in sequences]
-        for batch in plan_batches(lengths, self.max_tokens_per_batch):
-            states = self.run_batch([sequences[i] for i in batch])
-            padded = len(batch) * max(lengths[i] for i in batch)
-            yield CapturedBatch(indices=batch, states=states, padded_tokens=padded)
+        width = max(lengths, default=0)
+        rows = sum(lengths)
+        layout = self.layout
+        aux = torch.empty(rows, layout.aux_width, dtype=self.dtype, device=self.capture_device)
+        final = (
+            torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.capture_device)
+            if self.store_final_state
+            else None
+        )
+        if rows == 0:
+            return CapturedBatch(list(indices), lengths, aux, final, 0)
+        positions = torch.arange(width)
+        keep = (positions[None, :] < torch.tensor(lengths)[:, None]).reshape(-1).nonzero().squeeze(1)
+        self._keep = {torch.device("cpu"): keep}
+        self._aux, self._final = aux, final
+        self._filled.clear()
+        try:
+            ids, mask = self.pad_batch(sequences)
+            with torch.inference_mode():
+                self.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+            self.forward_passes += 1
+            expected = {f"layer{k}" for k in self.layers} | ({"final"} if self.store_final_state else set())
+            missing = sorted(expected - self._filled)
+            if missing:
+                raise ConfigError(f"forward pass did not reach hooked modules {missing}")
+        finally:
+            self._aux = self._final = None
+            self._keep = {}
+        return CapturedBatch(list(indices), lengths, aux, final, len(sequences) * width)
+
+    def plan_batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        return plan_padded_batches(lengths, self.max_tokens_per_batch)
+
+    def iter_captures(
+        self, sequences: Sequence[Sequence[int]], batches: Sequence[Sequence[int]]
+    ) -> Iterator[CapturedBatch]:
+        """Yield batch by batch (kernels possibly still running) so the caller can overlap copies and writes."""
+        for batch in batches:
+            yield self.run_batch([sequences[i] for i in batch], batch)
 
     def close(self) -> None:
         """Remove the hooks and drop the model, so a long-lived process can free accelerator memory."""
@@ -223,6 +275,6 @@ class HFHiddenStateRunner:
             handle.remove()
         self._hooks.clear()
         del self._model
-        del self._decoder
-        if self.device.type == "cuda":
+        del self.decoder
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()

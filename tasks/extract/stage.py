@@ -3,6 +3,10 @@
 Resumable per part: a part with a completion marker is returned as is, without running a batch on the model;
 an unfinished part's leftover shards are deleted and rewritten, because only the index part (written last,
 with its marker) makes shards visible to readers.
+
+The model and the disk run concurrently: the main thread launches forward passes and hands each batch to
+`HostStager` (device-to-host copy on a side stream) and then to the `ShardStreamWriter` thread, which checks
+and writes the previous batches while the next one computes.
 """
 
 from __future__ import annotations
@@ -14,40 +18,54 @@ import pyarrow as pa
 import torch
 
 from tasks.config import PipelineConfig
-from tasks.errors import CaptureMismatchError, ConfigError
-from tasks.extract.hf_backend import CapturedBatch, HFHiddenStateRunner
+from tasks.errors import ConfigError
+from tasks.extract.capture import CapturedBatch, HostStager
 from tasks.extract.storage import (
     DATA_DIR,
     HIDDEN_DIR,
     FreeSpaceProbe,
-    ShardLocation,
-    ShardWriter,
+    StateLayout,
     clear_stale_shards,
     disk_free_bytes,
     ensure_space,
     estimate_bytes,
+    plan_shards,
 )
+from tasks.extract.writer import ShardStreamWriter
 from tasks.schemas import HIDDEN_STATES_INDEX
 from tasks.shards import PartRef, read_marker, read_part, write_part
 
+WRITER_QUEUE_BATCHES = 2
+"""Batches staged ahead of the writer: enough to keep the disk busy while the next forward pass runs, few
+enough that host memory stays a small multiple of one batch's states."""
+
 
 class HiddenStateRunner(Protocol):
-    """What the stage needs from a backend; `HFHiddenStateRunner` is the one this build ships."""
+    """What the stage needs from a backend (`HFHiddenStateRunner`, `SGLangHiddenStateRunner`)."""
 
     backend: str
     layers: list[int]
     hidden_size: int
     dtype: torch.dtype
     dtype_name: str
+    store_final_state: bool
 
     def provenance(self) -> dict[str, Any]: ...
 
-    def iter_captures(self, sequences: Sequence[Sequence[int]]) -> Iterator[CapturedBatch]: ...
+    def plan_batches(self, lengths: Sequence[int]) -> list[list[int]]: ...
+
+    def iter_captures(
+        self, sequences: Sequence[Sequence[int]], batches: Sequence[Sequence[int]]
+    ) -> Iterator[CapturedBatch]: ...
 
 
-def make_runner(cfg: PipelineConfig) -> HFHiddenStateRunner:
+def make_runner(cfg: PipelineConfig) -> HiddenStateRunner:
     if cfg.extract.backend == "sglang":
-        raise ConfigError("extract.backend 'sglang' is not available in this build; use extract.backend: hf")
+        from tasks.extract.sglang_backend import SGLangHiddenStateRunner
+
+        return SGLangHiddenStateRunner.from_config(cfg)
+    from tasks.extract.hf_backend import HFHiddenStateRunner
+
     return HFHiddenStateRunner.from_config(cfg)
 
 
@@ -59,6 +77,11 @@ def _check_runner_matches(cfg: PipelineConfig, runner: HiddenStateRunner) -> Non
         raise ConfigError(f"runner layers {runner.layers} != extract.layers {cfg.extract.layers}")
     if runner.backend != cfg.extract.backend:
         raise ConfigError(f"runner backend {runner.backend!r} != extract.backend {cfg.extract.backend!r}")
+    if runner.store_final_state != cfg.extract.store_final_state:
+        raise ConfigError(
+            f"runner store_final_state {runner.store_final_state} != extract.store_final_state "
+            f"{cfg.extract.store_final_state}"
+        )
 
 
 def failed_validation_ids(cfg: PipelineConfig, part: int) -> set[str] | None:
@@ -86,50 +109,43 @@ def extract_part(
     tokens = read_part(PartRef(cfg.run_dir, "tokens", part), columns=["sample_id", "dataset", "input_ids"])
     failed = failed_validation_ids(cfg, part) if cfg.extract.skip_failed_validation else None
     rows = [r for r in tokens.to_pylist() if failed is None or r["sample_id"] not in failed]
-    n_tokens = sum(len(r["input_ids"]) for r in rows)
+    sequences: list[list[int]] = [r["input_ids"] for r in rows]
+    lengths = [len(s) for s in sequences]
+    n_tokens = sum(lengths)
 
     data_dir = cfg.run_dir / HIDDEN_DIR / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
     stale = clear_stale_shards(cfg.run_dir, part)
-    needed = estimate_bytes(n_tokens, runner.hidden_size, runner.dtype)
+    needed = estimate_bytes(n_tokens, runner.hidden_size, runner.dtype, store_final_state=runner.store_final_state)
     ensure_space(data_dir, needed, f"{out_ref} ({len(rows)} samples, {n_tokens} tokens)", free_bytes)
 
-    writer = ShardWriter(
-        cfg.run_dir,
-        part,
-        layers=list(runner.layers),
-        hidden_size=runner.hidden_size,
-        dtype=runner.dtype,
-        max_shard_bytes=cfg.extract.max_shard_bytes,
+    layout = StateLayout(tuple(runner.layers), runner.hidden_size, runner.dtype, runner.store_final_state)
+    batches = runner.plan_batches(lengths)
+    plan = plan_shards(part, [i for b in batches for i in b], lengths, layout, cfg.extract.max_shard_bytes)
+    writer = ShardStreamWriter(
+        cfg.run_dir, plan, layout, [r["sample_id"] for r in rows], sequences, queue_batches=WRITER_QUEUE_BATCHES
     )
-    locations: dict[int, ShardLocation] = {}
+    stager = HostStager()
     padded_tokens = 0
-    batches = 0
-    for batch in runner.iter_captures([r["input_ids"] for r in rows]):
-        batches += 1
-        padded_tokens += batch.padded_tokens
-        if len(batch.states) != len(batch.indices):
-            first = rows[batch.indices[0]]["sample_id"] if batch.indices else "<empty batch>"
-            raise CaptureMismatchError(first, "captures per batch", len(batch.indices), len(batch.states))
-        for i, states in zip(batch.indices, batch.states, strict=True):
-            row = rows[i]
-            if i in locations:
-                raise CaptureMismatchError(row["sample_id"], "captures of this sample", 1, 2)
-            ids = torch.tensor(row["input_ids"], dtype=torch.int32)
-            locations[i] = writer.add(row["sample_id"], ids, states.aux, states.final)
-    writer.flush()
-    missing = [i for i in range(len(rows)) if i not in locations]
-    if missing:
-        raise CaptureMismatchError(rows[missing[0]]["sample_id"], "captures of this sample", 1, 0)
+    n_batches = 0
+    try:
+        for batch in runner.iter_captures(sequences, batches):
+            n_batches += 1
+            padded_tokens += batch.padded_tokens
+            writer.submit(stager.stage(batch))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
     layers = list(runner.layers)
     index = pa.table(
         {
             "sample_id": [r["sample_id"] for r in rows],
             "dataset": [r["dataset"] for r in rows],
-            "shard": [locations[i].shard for i in range(len(rows))],
-            "offset": [locations[i].offset for i in range(len(rows))],
-            "length": [len(r["input_ids"]) for r in rows],
+            "shard": [plan.shards[p.shard].name for p in plan.placements],
+            "offset": [p.offset for p in plan.placements],
+            "length": lengths,
             "layers": [layers] * len(rows),
             "hidden_size": [runner.hidden_size] * len(rows),
             "dtype": [runner.dtype_name] * len(rows),
@@ -143,12 +159,16 @@ def extract_part(
         "tokens": n_tokens,
         "bytes": writer.bytes_written,
         "estimated_bytes": needed,
-        "shards": len(writer.shards),
-        "oversize_shards": writer.oversize_shards,
+        "shards": len(plan.shards),
+        "oversize_shards": plan.oversize_shards,
         "stale_files_removed": stale,
-        "batches": batches,
+        "batches": n_batches,
         "padded_tokens": padded_tokens,
         "padding_waste_frac": (padded_tokens - n_tokens) / padded_tokens if padded_tokens else 0.0,
+        "store_final_state": runner.store_final_state,
+        "writer_busy_s": round(writer.busy_s, 4),
+        "writer_ready_wait_s": round(writer.ready_wait_s, 4),
+        "submit_wait_s": round(writer.submit_wait_s, 4),
     }
     write_part(out_ref, index, {**cfg.provenance(), **runner.provenance()}, stats)
     return stats

@@ -1,0 +1,94 @@
+"""Resumable exports: a global sample numbering over a run's parts, per-part completion markers, a manifest.
+
+Both trainer layouts address samples by a global index (SpecForge's `data_{i}.ckpt`, speculators' dataset row
+i and `hs_{i}.safetensors`). Indices are assigned part by part in part order; a part's marker records where
+its indices start and which samples they hold, so a rerun skips a part only when the same samples would land
+at the same indices, and rewrites it otherwise. The manifest (`eagle3_export.json`) is written last: an
+export directory without it is unfinished and must not be trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.export.errors import ExportError
+from tasks.export.source import SourcePart
+from tasks.shards import atomic_write_text, part_name
+
+PROGRESS_DIR = "_eagle3_export"
+MANIFEST = "eagle3_export.json"
+
+
+@dataclass(frozen=True)
+class PartSlot:
+    part: SourcePart
+    start: int
+    position: int
+
+    @property
+    def count(self) -> int:
+        return len(self.part.rows)
+
+    def marker_content(self, fmt: str) -> dict[str, Any]:
+        return {"format": fmt, "start": self.start, "sample_ids": self.part.sample_ids}
+
+
+def assign_slots(parts: list[SourcePart]) -> list[PartSlot]:
+    slots = []
+    start = 0
+    for position, part in enumerate(parts):
+        slots.append(PartSlot(part, start, position))
+        start += len(part.rows)
+    return slots
+
+
+class ExportProgress:
+    """Markers under `<out>/_eagle3_export/`; refuses an output directory some other tool wrote."""
+
+    def __init__(self, out_dir: Path, fmt: str, run_dir: Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.fmt = fmt
+        self.run_dir = Path(run_dir).resolve()
+        self.dir = self.out_dir / PROGRESS_DIR
+        manifest = self.out_dir / MANIFEST
+        if manifest.exists():
+            previous = json.loads(manifest.read_text())
+            if previous.get("format") != fmt or previous.get("run_dir") != str(self.run_dir):
+                raise ExportError(
+                    f"{self.out_dir} holds a {previous.get('format')} export of {previous.get('run_dir')}; "
+                    f"choose another --out for a {fmt} export of {self.run_dir}"
+                )
+        elif self.out_dir.exists() and any(self.out_dir.iterdir()) and not self.dir.is_dir():
+            raise ExportError(f"{self.out_dir} is not empty and holds no eagle3-datagen export; choose another --out")
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _marker(self, slot: PartSlot) -> Path:
+        return self.dir / f"{part_name(slot.part.ref.part)}.json"
+
+    def is_done(self, slot: PartSlot) -> bool:
+        marker = self._marker(slot)
+        return marker.exists() and json.loads(marker.read_text()) == slot.marker_content(self.fmt)
+
+    def mark_done(self, slot: PartSlot) -> None:
+        atomic_write_text(self._marker(slot), json.dumps(slot.marker_content(self.fmt)))
+
+    def start(self) -> None:
+        """A run of the export is starting: the old manifest no longer describes the directory."""
+        (self.out_dir / MANIFEST).unlink(missing_ok=True)
+
+    def finish(self, slots: list[PartSlot], extra: dict[str, Any]) -> dict[str, Any]:
+        manifest = {
+            "format": self.fmt,
+            "run_dir": str(self.run_dir),
+            "samples": sum(s.count for s in slots),
+            "parts": [
+                {"part": s.part.ref.part, "start": s.start, "count": s.count, "sample_ids": s.part.sample_ids}
+                for s in slots
+            ],
+            **extra,
+        }
+        atomic_write_text(self.out_dir / MANIFEST, json.dumps(manifest, indent=1))
+        return manifest

@@ -1,0 +1,244 @@
+"""Exports of a real extracted run, read back with loaders that follow each trainer's documented reader.
+
+The SpecForge loader below transcribes `list_local_files` and `OfflineEagle3Dataset.process_data` from
+specforge 0.2.0 (`specforge/data/preprocessing.py`); the speculators loader transcribes what
+`speculators.train.data.ArrowDataset` 0.9.0 does (`datasets.load_from_disk` + `hs_connectors.FileTransfer`),
+reading the `save_to_disk` folder with pyarrow the way `datasets` does. The projects' own readers run on the
+same exports in tests/test_export_trainers.py (slow: it builds a venv with them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flows.cli import main
+from tasks.errors import CaptureMismatchError
+from tasks.export import ExportError, export_run
+from tasks.export.progress import MANIFEST
+from tasks.extract.hf_backend import HFHiddenStateRunner
+from tasks.extract.stage import extract_part
+from tasks.extract.storage import HIDDEN_DIR, load_hidden_states
+from tasks.schemas import TOKENS
+from tasks.shards import PartRef, read_part, write_part
+from tests.test_extract import index_rows, loss_mask_for, make_cfg, sample_ids, write_tokens
+
+PART_LENGTHS = {0: [17, 5, 33, 9], 1: [24, 1, 12], 2: []}
+
+
+def build_run(run_dir: Path, model_dir: Path, *, store_final_state: bool = True) -> dict[str, list[int]]:
+    runner = HFHiddenStateRunner.load(
+        model_dir, device="cpu", max_tokens_per_batch=64, store_final_state=store_final_state
+    )
+    cfg = make_cfg(run_dir, model_dir, max_tokens_per_batch=64, store_final_state=store_final_state)
+    everything: dict[str, list[int]] = {}
+    for part, lengths in PART_LENGTHS.items():
+        samples = sample_ids(lengths, seed=40 + part, prefix=f"p{part}-")
+        write_tokens(run_dir, samples, part=part)
+        extract_part(cfg, part, runner)
+        everything |= samples
+    return everything
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    directory = tmp_path_factory.mktemp("run")
+    build_run(directory, tiny_model_dir)
+    return directory
+
+
+def stored(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """What the run holds, per sample id: the reference every export is compared with."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in PART_LENGTHS:
+        masks = {r["sample_id"]: r["loss_mask"] for r in read_part(PartRef(run_dir, "tokens", part)).to_pylist()}
+        for row in index_rows(run_dir, part):
+            ids, aux, final = load_hidden_states(run_dir, row)
+            out[row["sample_id"]] = {"ids": ids.tolist(), "mask": masks[row["sample_id"]], "aux": aux, "final": final}
+    return out
+
+
+def manifest_order(out_dir: Path) -> list[str]:
+    manifest = json.loads((out_dir / MANIFEST).read_text())
+    return [sid for part in manifest["parts"] for sid in part["sample_ids"]]
+
+
+def specforge_files(path: Path) -> list[str]:
+    """specforge 0.2.0 `list_local_files`: walk, keep `.ckpt`/`.ckpt.gz`, sort."""
+    found = [os.path.join(root, f) for root, _dirs, files in os.walk(path) for f in files]
+    return sorted(f for f in found if f.endswith((".ckpt", ".ckpt.gz")))
+
+
+def specforge_item(path: str, max_len: int) -> dict[str, torch.Tensor]:
+    """specforge 0.2.0 `OfflineEagle3Dataset._open_file` + `process_data`."""
+    data = torch.load(path, weights_only=False, mmap=True)
+    hidden_state = data["aux_hidden_state"].squeeze(0)[:max_len][None, :]
+    target = data["hidden_state"].squeeze(0)[:max_len][None, :]
+    input_ids = data["input_ids"][:max_len][None, :]
+    loss_mask = data["loss_mask"][:max_len][None, :]
+    loss_mask[0, -1] = 0
+    return {
+        "attention_mask": torch.ones_like(loss_mask, dtype=torch.long),
+        "loss_mask": loss_mask,
+        "target": target,
+        "hidden_state": hidden_state,
+        "input_ids": input_ids,
+    }
+
+
+def speculators_rows(path: Path) -> list[dict[str, Any]]:
+    """`datasets.load_from_disk`: state.json's data files, each an Arrow stream, in order."""
+    state = json.loads((path / "state.json").read_text())
+    info = json.loads((path / "dataset_info.json").read_text())
+    assert state["_format_type"] == "torch"
+    rows: list[dict[str, Any]] = []
+    for entry in state["_data_files"]:
+        with pa.memory_map(str(path / entry["filename"])) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        assert json.loads(table.schema.metadata[b"huggingface"])["info"]["features"] == info["features"]
+        rows.extend(table.to_pylist())
+    return rows
+
+
+def speculators_item(path: Path, index: int, row: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """speculators 0.9.0 `ArrowDataset._get_raw_data` over `FileTransfer(path / "hidden_states")`."""
+    loaded = load_file(path / "hidden_states" / f"hs_{index}.safetensors")
+    input_ids = torch.tensor(row["input_ids"])
+    assert torch.equal(loaded["token_ids"], input_ids), "ArrowDataset would mark this sample unavailable"
+    return {
+        "hidden_states": loaded["hidden_states"][:, :-1].flatten(1),
+        "input_ids": loaded["token_ids"],
+        "verifier_last_hidden_states": loaded["hidden_states"][:, -1],
+        "loss_mask": torch.tensor(row["loss_mask"]),
+    }
+
+
+def test_specforge_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
+    stats = export_run(run_dir, "specforge", tmp_path / "sf")
+    reference = stored(run_dir)
+    order = manifest_order(tmp_path / "sf")
+    assert stats["samples"] == len(order) == len(reference) == sum(len(v) for v in PART_LENGTHS.values())
+    files = specforge_files(tmp_path / "sf")
+    assert len(files) == len(order)
+    for path in files:
+        index = int(Path(path).stem.split("_")[1])
+        expected = reference[order[index]]
+        item = specforge_item(path, max_len=2048)
+        assert item["input_ids"][0].tolist() == expected["ids"]
+        assert item["loss_mask"][0].tolist() == [*expected["mask"][:-1], 0]
+        assert item["hidden_state"].dtype == torch.bfloat16 and item["hidden_state"].shape == (
+            1,
+            len(expected["ids"]),
+            192,
+        )
+        assert torch.equal(item["hidden_state"][0], expected["aux"])
+        assert torch.equal(item["target"][0], expected["final"])
+        raw = torch.load(path, weights_only=True)
+        assert raw["input_ids"].dtype == raw["loss_mask"].dtype == torch.int64
+        assert raw["input_ids"].ndim == 1 and raw["aux_hidden_state"].shape[0] == 1
+
+
+def test_speculators_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "spec"
+    export_run(run_dir, "speculators", out)
+    reference = stored(run_dir)
+    order = manifest_order(out)
+    rows = speculators_rows(out)
+    assert [r["seq_len"] for r in rows] == [len(reference[s]["ids"]) for s in order]
+    for index, row in enumerate(rows):
+        expected = reference[order[index]]
+        item = speculators_item(out, index, row)
+        assert item["input_ids"].tolist() == expected["ids"] and item["loss_mask"].tolist() == expected["mask"]
+        assert item["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(item["hidden_states"], expected["aux"])
+        assert torch.equal(item["verifier_last_hidden_states"], expected["final"])
+    assert sorted(p.name for p in out.glob("data-*.arrow")) == [f"data-0000{k}-of-00003.arrow" for k in range(3)]
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_export_resumes_per_part_and_removes_stale_files(run_dir: Path, tmp_path: Path, fmt: str) -> None:
+    out = tmp_path / fmt
+    first = export_run(run_dir, fmt, out)
+    assert first["parts_skipped"] == 0 and first["bytes_written"] > 0
+    again = export_run(run_dir, fmt, out)
+    assert (again["parts_skipped"], again["bytes_written"]) == (3, 0)
+    (out / "_eagle3_export" / "part-00001.json").unlink()
+    stale = out / ("rows_0-2000/data_999.ckpt" if fmt == "specforge" else "hidden_states/hs_999.safetensors")
+    stale.write_bytes(b"left by a bigger export")
+    third = export_run(run_dir, fmt, out)
+    assert third["parts_skipped"] == 2 and third["bytes_written"] > 0 and third["stale_files_removed"] == 1
+    assert not stale.exists() and (out / MANIFEST).exists()
+
+
+def test_aux_only_runs_are_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
+    build_run(tmp_path / "run", tiny_model_dir, store_final_state=False)
+    for fmt in ("specforge", "speculators"):
+        with pytest.raises(ExportError, match="aux states only"):
+            export_run(tmp_path / "run", fmt, tmp_path / fmt)
+
+
+def test_states_that_do_not_match_their_tokens_are_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
+    run = tmp_path / "run"
+    samples = build_run(run, tiny_model_dir)
+    tampered = {sid: ids for sid, ids in samples.items() if sid.startswith("p1-")}
+    tampered["p1-01"] = [tampered["p1-01"][0] + 1]
+    n = len(tampered)
+    table = pa.table(
+        {
+            "sample_id": list(tampered),
+            "dataset": ["demo"] * n,
+            "input_ids": list(tampered.values()),
+            "loss_mask": [loss_mask_for(ids) for ids in tampered.values()],
+            "prompt_len": [0] * n,
+            "completion_len": [len(ids) for ids in tampered.values()],
+            "reasoning_len": [0] * n,
+            "completion_format": ["test"] * n,
+        },
+        schema=TOKENS,
+    )
+    write_part(PartRef(run, "tokens", 1), table, {"test": True})
+    with pytest.raises(ExportError, match="sample p1-01: stored input ids differ"):
+        export_run(run, "speculators", tmp_path / "out")
+    assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+def test_corrupted_states_are_refused_naming_the_sample(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    row = index_rows(copy, 0)[2]
+    shard = copy / HIDDEN_DIR / row["shard"]
+    tensors = load_file(shard)
+    tensors["hidden_states"][row["offset"] + 1, 3] = float("nan")
+    save_file(tensors, shard)
+    with pytest.raises(CaptureMismatchError, match="NaN/Inf") as err:
+        export_run(copy, "specforge", tmp_path / "out")
+    assert err.value.sample_id == row["sample_id"]
+
+
+def test_foreign_output_directories_are_refused(run_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not empty"):
+        export_run(run_dir, "specforge", tmp_path / "busy")
+    export_run(run_dir, "specforge", tmp_path / "sf")
+    with pytest.raises(ExportError, match="holds a specforge export"):
+        export_run(run_dir, "speculators", tmp_path / "sf")
+    with pytest.raises(ExportError, match="not one of"):
+        export_run(run_dir, "medusa", tmp_path / "x")
+    with pytest.raises(ExportError, match="no finished hidden_states parts"):
+        export_run(tmp_path / "empty", "specforge", tmp_path / "y")
+
+
+def test_cli_export(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["export", str(run_dir), "--format", "speculators", "--out", str(tmp_path / "cli")]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["format"] == "speculators" and stats["samples"] == 7
+    assert (tmp_path / "cli" / "state.json").exists()
