@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck pytest test-all bench clean
+.PHONY: venv demo test lint typecheck pytest test-all test-interop bench clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,16 @@ test: lint typecheck pytest
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Trainer interop with the trainers' own readers (speculators ArrowDataset, SpecForge's offline dataset) and the
+# SGLang 0.5.23 wheel's API, in a separate cached venv (EAGLE3_TEST_CACHE, default ~/.cache/eagle3-datagen);
+# the first run needs the package index. Not part of `make test`.
+test-interop: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests/test_export_trainers.py tests/test_extract_sglang_api.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/reconstruct_throughput.py
+	$(BIN)/python bench/extract_throughput.py
 
 clean:
 	rm -rf runs .mypy_cache .ruff_cache .pytest_cache

@@ -24,6 +24,11 @@ class HiddenStateBackendBlock(Block):
     layers: list[int] | None = Field(default=None, description="0-based aux layers; default [1, N//2-1, N-4].")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     max_tokens_per_batch: int = Field(default=8192, ge=1)
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | None = Field(
+        default=None, description="hf: spread the model over all visible GPUs (a model larger than one GPU)."
+    )
+    tp_size: int = Field(default=1, ge=1, description="sglang: tensor-parallel GPUs.")
+    sglang_mem_fraction_static: float = Field(default=0.8, gt=0, lt=1, description="sglang: GPU memory fraction.")
 
     def to_extract_config(self, base: ExtractConfig | None = None) -> ExtractConfig:
         fields: dict[str, Any] = base.model_dump() if base is not None else {}
@@ -33,6 +38,9 @@ class HiddenStateBackendBlock(Block):
             layers=self.layers,
             dtype=self.dtype,
             max_tokens_per_batch=self.max_tokens_per_batch,
+            device_map=self.device_map,
+            tp_size=self.tp_size,
+            sglang_mem_fraction_static=self.sglang_mem_fraction_static,
         )
         if self.model_path is not None:
             fields["model_path"] = self.model_path

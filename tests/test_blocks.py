@@ -45,6 +45,9 @@ def test_tokenizer_and_backend_blocks_convert_to_the_strict_config_sections() ->
     )
     assert tok.chat_template_kwargs == {"thinking": True}
     base = ExtractConfig(max_shard_bytes=4096, skip_failed_validation=False)
-    ext = HiddenStateBackendBlock(backend="sglang", device="cuda", layers=[2, 30, 57]).to_extract_config(base)
+    ext = HiddenStateBackendBlock(backend="sglang", device="cuda", layers=[2, 30, 57], tp_size=8).to_extract_config(
+        base
+    )
     assert (ext.backend, ext.device, ext.layers, ext.max_shard_bytes) == ("sglang", "cuda", [2, 30, 57], 4096)
+    assert ext.tp_size == 8
     assert ext.skip_failed_validation is False
