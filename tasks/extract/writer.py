@@ -36,6 +36,7 @@ from tasks.extract.storage import (
     StateLayout,
     check_capture,
 )
+from tasks.shards import fsync_dir
 
 
 @dataclass
@@ -85,14 +86,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> int:
     while written < len(data):
         written += os.pwrite(fd, data[written:], offset + written)
     return written
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardStreamWriter:
@@ -280,5 +273,5 @@ class ShardStreamWriter:
         finally:
             os.close(shard.fd)
         os.replace(shard.tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         self.bytes_written += size
