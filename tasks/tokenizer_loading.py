@@ -152,7 +152,7 @@ def tokenizer_from_tiktoken(
     Special-token ids are those of the table, never of insertion order: the table must continue the BPE ranks
     without gaps, and every string is checked to land on its own id, so a table typo fails here instead of
     shifting ids in the data. `fill_gaps` is for tables that really have holes (gpt-oss and Kimi reserve ranges
-    of ids): each hole gets a `<|reserved_token_N|>` placeholder so that the listed strings keep their ids.
+    of ids): each hole gets a `<|reserved_token_N|>` filler token so that the listed strings keep their ids.
     """
     from transformers.convert_slow_tokenizer import TikTokenConverter
 

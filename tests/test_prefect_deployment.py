@@ -5,6 +5,7 @@ REST call the UI's Run button makes, and a transient endpoint outage that the ge
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -213,3 +214,11 @@ def test_deployed_pipeline_runs_on_workers_and_retries_a_transient_outage(
 
     for path in [*run_dir.rglob("*.parquet"), *run_dir.rglob("*.json"), *c.root.glob("*.log")]:
         assert b"SECRET-KEY" not in path.read_bytes(), f"API key leaked into {path}"
+    recorded = {
+        "flow_runs": c.api("POST", "/flow_runs/filter", json={}),
+        "task_runs": c.api("POST", "/task_runs/filter", json={}),
+        "artifacts": c.api("POST", "/artifacts/filter", json={}),
+        "logs": c.api("POST", "/logs/filter", json={"limit": 200}),
+    }
+    for kind, records in recorded.items():
+        assert records and "SECRET-KEY" not in json.dumps(records), f"API key leaked into the server's {kind}"
