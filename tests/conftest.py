@@ -19,8 +19,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 from endpoint_sim.assets import build_tiny_model_dir, write_tokenizer_dir  # noqa: E402
+from tasks.config import TokenizerConfig  # noqa: E402
+from tasks.tokenizer_loading import load_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "flows" / "data"
@@ -34,6 +37,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
+    """The demo tokenizer (DeepSeek-V4 tokenizer.json + DeepSeek-V3.1-thinking template), loaded once."""
+    return load_tokenizer(TokenizerConfig(path=tokenizer_dir))
 
 
 @pytest.fixture(scope="session")

@@ -65,11 +65,6 @@ def tokenizer_with_template(path: Path, template: str) -> PreTrainedTokenizerBas
 
 
 @pytest.fixture(scope="module")
-def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
-    return load_tokenizer(TokenizerConfig(path=write_tokenizer_dir(tmp_path_factory.mktemp("demo-tok"))))
-
-
-@pytest.fixture(scope="module")
 def qwen3_form_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
     return tokenizer_with_template(tmp_path_factory.mktemp("qwen3-form"), QWEN3_FORM_TEMPLATE)
 
@@ -135,10 +130,10 @@ def test_inconsistent_format_is_refused() -> None:
         CompletionFormat("bad", "<think>", False, None, EOS)
 
 
-def test_demo_template_derives_the_deepseek_preset(demo_tokenizer: PreTrainedTokenizerBase) -> None:
-    assert derive_format(demo_tokenizer) is PRESETS["deepseek_v31_thinking"]
-    assert resolve_format("auto", demo_tokenizer) is PRESETS["deepseek_v31_thinking"]
-    assert resolve_format("deepseek_v31_thinking", demo_tokenizer) is PRESETS["deepseek_v31_thinking"]
+def test_demo_template_derives_the_deepseek_preset(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert derive_format(tokenizer) is PRESETS["deepseek_v31_thinking"]
+    assert resolve_format("auto", tokenizer) is PRESETS["deepseek_v31_thinking"]
+    assert resolve_format("deepseek_v31_thinking", tokenizer) is PRESETS["deepseek_v31_thinking"]
 
 
 def test_qwen3_form_template_derives_qwen3_layout(qwen3_form_tokenizer: PreTrainedTokenizerBase) -> None:
@@ -167,9 +162,9 @@ def test_template_dropping_reasoning_is_detected(dropping_tokenizer: PreTrainedT
         resolve_format("qwen3_thinking", dropping_tokenizer)
 
 
-def test_unknown_preset_is_refused(demo_tokenizer: PreTrainedTokenizerBase) -> None:
+def test_unknown_preset_is_refused(tokenizer: PreTrainedTokenizerBase) -> None:
     with pytest.raises(ConfigError, match="unknown completion_format"):
-        resolve_format("llama4_thinking", demo_tokenizer)
+        resolve_format("llama4_thinking", tokenizer)
 
 
 # Qwen3's chat template without the tool branches: reasoning is kept only on assistant turns after the last user

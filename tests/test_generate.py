@@ -11,9 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pydantic import SecretStr
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from endpoint_sim.assets import write_tokenizer_dir
 from endpoint_sim.responder import REASONING_CLOSE, FailureRule, Responder, SimConfig, SimSample
 from endpoint_sim.server import SimState, SimulatorServer
 from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
@@ -33,24 +32,13 @@ BASELINE = SimConfig()
 
 
 @pytest.fixture(scope="module")
-def gen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer_dir(tmp_path_factory.mktemp("gen_model"))
+def local(tokenizer_dir: Path) -> Responder:
+    return Responder(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(gen_model_dir: Path) -> PreTrainedTokenizerBase:
-    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(gen_model_dir), local_files_only=True)
-    return tok
-
-
-@pytest.fixture(scope="module")
-def local(gen_model_dir: Path) -> Responder:
-    return Responder(gen_model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(gen_model_dir: Path) -> Iterator[SimulatorServer]:
-    with SimulatorServer(gen_model_dir, BASELINE) as srv:
+def server(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
+    with SimulatorServer(tokenizer_dir, BASELINE) as srv:
         yield srv
 
 
@@ -124,10 +112,10 @@ def key_of(local: Responder, prompt_row: dict[str, Any]) -> str:
 
 
 def test_openai_chat_rows_across_parts(
-    tmp_path: Path, sim: SimulatorServer, local: Responder, gen_model_dir: Path, tokenizer: PreTrainedTokenizerBase
+    tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     prompts = {p: write_prompts(tmp_path, p, 7, "chat") for p in range(3)}
-    cfg = make_cfg(tmp_path, sim, gen_model_dir, max_in_flight=3, commit_every_samples=2)
+    cfg = make_cfg(tmp_path, sim, tokenizer_dir, max_in_flight=3, commit_every_samples=2)
     summary = generate_parts(cfg, refs(tmp_path, 3), MARKERS)
     total = summary.to_dict()["total"]
     assert (total["done"], total["failed"], total["requests_sent"], total["samples"]) == (21, 0, 21, 21)
@@ -154,14 +142,14 @@ def test_openai_chat_rows_across_parts(
 
 
 def test_sglang_generate_rows_keep_exact_output_ids(
-    tmp_path: Path, sim: SimulatorServer, local: Responder, gen_model_dir: Path, tokenizer: PreTrainedTokenizerBase
+    tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     sim.update_config(noncanonical_rate=0.5)
     rows = write_prompts(tmp_path, 0, 8, "sglang")
     cfg = make_cfg(
         tmp_path,
         sim,
-        gen_model_dir,
+        tokenizer_dir,
         kind="sglang_generate",
         price_prompt_usd_per_mtok=1.0,
         price_completion_usd_per_mtok=3.0,
@@ -187,17 +175,17 @@ def test_sglang_generate_rows_keep_exact_output_ids(
     assert noncanonical > 0
 
 
-def test_chat_cost_falls_back_to_the_price_table(tmp_path: Path, sim: SimulatorServer, gen_model_dir: Path) -> None:
+def test_chat_cost_falls_back_to_the_price_table(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path) -> None:
     sim.update_config(report_cost=False)
     write_prompts(tmp_path, 0, 3, "price")
-    cfg = make_cfg(tmp_path, sim, gen_model_dir, price_prompt_usd_per_mtok=10.0, price_completion_usd_per_mtok=20.0)
+    cfg = make_cfg(tmp_path, sim, tokenizer_dir, price_prompt_usd_per_mtok=10.0, price_completion_usd_per_mtok=20.0)
     generate_parts(cfg, refs(tmp_path, 1), MARKERS)
     for out in responses(tmp_path, 0).values():
         assert out["cost_usd"] == pytest.approx((out["prompt_tokens"] * 10 + out["completion_tokens"] * 20) / 1e6)
 
 
 def test_transient_failures_are_retried_until_done(
-    tmp_path: Path, sim: SimulatorServer, local: Responder, gen_model_dir: Path
+    tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path
 ) -> None:
     config = sim.update_config(
         failures=(
@@ -210,7 +198,7 @@ def test_transient_failures_are_retried_until_done(
     local.update_config(config)
     state = SimState(local)
     rows = write_prompts(tmp_path, 0, 15, "retry")
-    summary = generate_parts(make_cfg(tmp_path, sim, gen_model_dir), refs(tmp_path, 1), MARKERS)
+    summary = generate_parts(make_cfg(tmp_path, sim, tokenizer_dir), refs(tmp_path, 1), MARKERS)
     got = responses(tmp_path, 0)
     retried = 0
     for row in rows:
@@ -226,11 +214,11 @@ def test_transient_failures_are_retried_until_done(
 
 
 def test_400_fails_the_sample_without_retry_and_rerun_retries_only_failures(
-    tmp_path: Path, sim: SimulatorServer, local: Responder, gen_model_dir: Path
+    tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path
 ) -> None:
     sim.update_config(failures=(FailureRule(kind="context_length", status=400, rate=0.4, attempts=None),))
     rows = {p: write_prompts(tmp_path, p, 6, "rerun") for p in range(2)}
-    cfg = make_cfg(tmp_path, sim, gen_model_dir)
+    cfg = make_cfg(tmp_path, sim, tokenizer_dir)
     first = generate_parts(cfg, refs(tmp_path, 2), MARKERS).to_dict()["total"]
     assert first["failed"] > 0 and first["done"] > 0
     assert first["failures_by_reason"] == {"http_400": first["failed"]}
@@ -262,37 +250,37 @@ def test_400_fails_the_sample_without_retry_and_rerun_retries_only_failures(
 
 
 def test_401_is_fatal_and_never_leaks_the_key(
-    tmp_path: Path, sim: SimulatorServer, gen_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sim.update_config(required_api_key="sk-the-right-one")
     write_prompts(tmp_path, 0, 4, "auth")
     secret = "sk-or-v1-THIS-MUST-NOT-LEAK"
-    cfg = make_cfg(tmp_path, sim, gen_model_dir, api_key=SecretStr(secret))
+    cfg = make_cfg(tmp_path, sim, tokenizer_dir, api_key=SecretStr(secret))
     with pytest.raises(FatalEndpointError) as info:
         generate_parts(cfg, refs(tmp_path, 1), MARKERS)
     assert "401" in str(info.value) and secret not in str(info.value)
     assert not PartRef(tmp_path, "responses", 0).is_done()
 
     monkeypatch.setenv("SIM_TEST_KEY", "sk-the-right-one")
-    good = make_cfg(tmp_path, sim, gen_model_dir, api_key_env="SIM_TEST_KEY")
+    good = make_cfg(tmp_path, sim, tokenizer_dir, api_key_env="SIM_TEST_KEY")
     assert generate_parts(good, refs(tmp_path, 1), MARKERS).parts[0].done == 4
 
 
-def test_length_truncation_fails_unless_kept(tmp_path: Path, sim: SimulatorServer, gen_model_dir: Path) -> None:
+def test_length_truncation_fails_unless_kept(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path) -> None:
     write_prompts(tmp_path, 0, 3, "length")
     short = SamplingConfig(max_tokens=6)
-    cfg = make_cfg(tmp_path, sim, gen_model_dir, sampling=short)
+    cfg = make_cfg(tmp_path, sim, tokenizer_dir, sampling=short)
     assert generate_parts(cfg, refs(tmp_path, 1), MARKERS).parts[0].failures_by_reason == {"length": 3}
     for out in responses(tmp_path, 0).values():
         assert out["status"] == "failed" and "max_tokens=6" in out["error"]
         assert out["finish_reason"] == "length" and out["completion_tokens"] == 6
-    keep = make_cfg(tmp_path, sim, gen_model_dir, sampling=short, keep_length_truncated=True)
+    keep = make_cfg(tmp_path, sim, tokenizer_dir, sampling=short, keep_length_truncated=True)
     assert generate_parts(keep, refs(tmp_path, 1), MARKERS).parts[0].done == 3
     assert {r["status"] for r in responses(tmp_path, 0).values()} == {"done"}
 
 
 def test_leftover_chunks_are_honoured(
-    tmp_path: Path, sim: SimulatorServer, local: Responder, gen_model_dir: Path
+    tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path
 ) -> None:
     rows = write_prompts(tmp_path, 0, 6, "chunks")
     out_ref = PartRef(tmp_path, "responses", 0)
@@ -308,7 +296,7 @@ def test_leftover_chunks_are_honoured(
     table = pa.Table.from_pylist(crashed, schema=RESPONSES)
     write_parquet_atomic(chunk_dir(out_ref) / "chunk-000000.parquet", table, stage_metadata("responses", {}))
     before = sim.stats()["by_key"]
-    summary = generate_parts(make_cfg(tmp_path, sim, gen_model_dir), refs(tmp_path, 1), MARKERS)
+    summary = generate_parts(make_cfg(tmp_path, sim, tokenizer_dir), refs(tmp_path, 1), MARKERS)
     assert (summary.parts[0].skipped_already_done, summary.parts[0].requests_sent) == (3, 3)
     after = sim.stats()["by_key"]
     got = responses(tmp_path, 0)
@@ -325,11 +313,11 @@ def test_leftover_chunks_are_honoured(
 
 
 def test_fatal_mid_run_commits_finished_samples_and_resume_sends_only_the_rest(
-    tmp_path: Path, sim: SimulatorServer, local: Responder, gen_model_dir: Path
+    tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path
 ) -> None:
     sim.update_config(failures=(FailureRule(status=401, rate=0.35, attempts=None),))
     rows = {p: write_prompts(tmp_path, p, 8, "crash") for p in range(2)}
-    cfg = make_cfg(tmp_path, sim, gen_model_dir, max_in_flight=2, commit_every_samples=1)
+    cfg = make_cfg(tmp_path, sim, tokenizer_dir, max_in_flight=2, commit_every_samples=1)
     with pytest.raises(FatalEndpointError):
         generate_parts(cfg, refs(tmp_path, 2), MARKERS)
     committed: dict[str, dict[str, Any]] = {}
@@ -360,13 +348,13 @@ def test_fatal_mid_run_commits_finished_samples_and_resume_sends_only_the_rest(
 
 
 def test_request_building_for_both_kinds(
-    tmp_path: Path, sim: SimulatorServer, gen_model_dir: Path, tokenizer: PreTrainedTokenizerBase
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     sampling = SamplingConfig(temperature=0.3, top_p=0.9, max_tokens=77, seed=5, stop=["STOP"])
     cfg = make_cfg(
         tmp_path,
         sim,
-        gen_model_dir,
+        tokenizer_dir,
         sampling=sampling,
         base_url="https://openrouter.example/api/v1",
         provider_routing={"order": ["A"]},
@@ -387,7 +375,7 @@ def test_request_building_for_both_kinds(
         "reasoning": {"effort": "high"},
         "usage": {"include": True},
     }
-    gen_cfg = make_cfg(tmp_path, sim, gen_model_dir, sampling=sampling, kind="sglang_generate")
+    gen_cfg = make_cfg(tmp_path, sim, tokenizer_dir, sampling=sampling, kind="sglang_generate")
     gen_req = build_request(gen_cfg, messages, tokenizer)  # type: ignore[arg-type]
     assert gen_req.url == f"{sim.base_url}/generate" and endpoint_url(gen_cfg) == gen_req.url
     assert gen_req.payload["input_ids"] == gen_req.prompt_ids == render_prompt_ids(tokenizer, messages)  # type: ignore[arg-type]

@@ -82,25 +82,15 @@ def sid_of(conv: list[Message]) -> str:
     return sample_id(DATASET, prompt_messages(conv))
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_dir: Path) -> PreTrainedTokenizerBase:
-    return load_tokenizer(TokenizerConfig(path=tok_dir))
-
-
 def demo_responses() -> list[dict[str, Any]]:
     rows = [response_row(sid_of(c), r, a) for c, (r, a) in zip(CONVERSATIONS, ANSWERS, strict=True)]
     return list(reversed(rows))  # completion order differs from prompt order
 
 
 def test_ids_decode_to_rendered_prompt_plus_literal_completion(
-    tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    cfg = make_cfg(tmp_path, tok_dir)
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     write_inputs(tmp_path, 0, CONVERSATIONS, demo_responses())
     stats = reconstruct_part(cfg, 0, DEMO)
     rows = read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()
@@ -129,8 +119,8 @@ def test_ids_decode_to_rendered_prompt_plus_literal_completion(
     assert provenance["tokenizer_hash"]
 
 
-def test_loss_mask_options(tmp_path: Path, tok_dir: Path) -> None:
-    cfg = make_cfg(tmp_path, tok_dir, loss_on_reasoning=False, loss_on_end_of_turn=False)
+def test_loss_mask_options(tmp_path: Path, tokenizer_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir, loss_on_reasoning=False, loss_on_end_of_turn=False)
     write_inputs(tmp_path, 0, CONVERSATIONS, demo_responses())
     reconstruct_part(cfg, 0, DEMO)
     for row in read_part(PartRef(tmp_path, "tokens", 0)).to_pylist():
@@ -138,8 +128,8 @@ def test_loss_mask_options(tmp_path: Path, tok_dir: Path) -> None:
         assert row["loss_mask"] == [0] * (p + r) + [1] * (n - r - 1) + [0]
 
 
-def test_failed_responses_are_skipped_and_rerun_is_a_no_op(tmp_path: Path, tok_dir: Path) -> None:
-    cfg = make_cfg(tmp_path, tok_dir)
+def test_failed_responses_are_skipped_and_rerun_is_a_no_op(tmp_path: Path, tokenizer_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     responses = demo_responses()
     responses[0] = response_row(responses[0]["sample_id"], None, None, status="failed", error="HTTP 500")
     write_inputs(tmp_path, 3, CONVERSATIONS, responses)
@@ -152,8 +142,10 @@ def test_failed_responses_are_skipped_and_rerun_is_a_no_op(tmp_path: Path, tok_d
     assert path.stat().st_mtime_ns == before
 
 
-def test_endpoint_prompt_ids_are_checked(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-    cfg = make_cfg(tmp_path, tok_dir)
+def test_endpoint_prompt_ids_are_checked(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     conv = CONVERSATIONS[0]
     sent = render_prompt_ids(tokenizer, conv)
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "R", "C", prompt_ids=sent)])
@@ -166,8 +158,8 @@ def test_endpoint_prompt_ids_are_checked(tmp_path: Path, tok_dir: Path, tokenize
     assert not PartRef(tmp_path, "tokens", 1).is_done()
 
 
-def test_truncated_generation_gets_no_end_of_turn(tmp_path: Path, tok_dir: Path) -> None:
-    cfg = make_cfg(tmp_path, tok_dir)
+def test_truncated_generation_gets_no_end_of_turn(tmp_path: Path, tokenizer_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     conv = CONVERSATIONS[0]
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "cut off mid-thou", None, finish_reason="length")])
     reconstruct_part(cfg, 0, DEMO)
@@ -177,12 +169,12 @@ def test_truncated_generation_gets_no_end_of_turn(tmp_path: Path, tok_dir: Path)
     assert row["reasoning_len"] == row["completion_len"]
 
 
-def test_reasoning_on_a_format_without_reasoning_names_the_sample(tmp_path: Path, tok_dir: Path) -> None:
+def test_reasoning_on_a_format_without_reasoning_names_the_sample(tmp_path: Path, tokenizer_dir: Path) -> None:
     no_reasoning = CompletionFormat("plain", None, False, None, EOS)
     conv = CONVERSATIONS[0]
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "thoughts", "C")])
     with pytest.raises(ReconstructionError, match=sid_of(conv)):
-        reconstruct_part(make_cfg(tmp_path, tok_dir), 0, no_reasoning)
+        reconstruct_part(make_cfg(tmp_path, tokenizer_dir), 0, no_reasoning)
 
 
 def test_special_tokens_of_the_demo_format_map_to_their_ids(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -210,26 +202,26 @@ def test_special_token_check_fails_on_a_string_that_is_not_special(tokenizer: Pr
         verify_special_tokens(tokenizer, PRESETS["kimi_k2_instruct"])
 
 
-def test_reconstruct_fails_fast_on_bad_special_tokens(tmp_path: Path, tok_dir: Path) -> None:
+def test_reconstruct_fails_fast_on_bad_special_tokens(tmp_path: Path, tokenizer_dir: Path) -> None:
     conv = CONVERSATIONS[0]
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), None, "C")])
     with pytest.raises(SpecialTokenError):
-        reconstruct_part(make_cfg(tmp_path, tok_dir), 0, PRESETS["kimi_k2_instruct"])
+        reconstruct_part(make_cfg(tmp_path, tokenizer_dir), 0, PRESETS["kimi_k2_instruct"])
     assert not PartRef(tmp_path, "tokens", 0).path.exists()
 
 
 def test_qwen3_layout_spans_with_padding_and_separator(tmp_path: Path) -> None:
     from tests.test_completion_format import QWEN3_FORM_TEMPLATE
 
-    tok_dir = write_tokenizer_dir(tmp_path / "tok")
-    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    tokenizer_dir = write_tokenizer_dir(tmp_path / "tok")
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = QWEN3_FORM_TEMPLATE
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
     fmt = CompletionFormat("qwen3_form", "<think>", False, "</think>", "<|EOT|>", "\n", "\n\n")
-    tokenizer = load_tokenizer(TokenizerConfig(path=tok_dir))
+    tokenizer = load_tokenizer(TokenizerConfig(path=tokenizer_dir))
     conv = CONVERSATIONS[0]
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "\nshort thought\n", "\n\nThe answer.")])
-    reconstruct_part(make_cfg(tmp_path, tok_dir), 0, fmt)
+    reconstruct_part(make_cfg(tmp_path, tokenizer_dir), 0, fmt)
     row = read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()[0]
     ids = row["input_ids"]
     p, r = row["prompt_len"], row["reasoning_len"]
@@ -241,12 +233,12 @@ def test_qwen3_layout_spans_with_padding_and_separator(tmp_path: Path) -> None:
 def test_real_qwen3_tokenizer_round_trip(tmp_path: Path) -> None:
     from tests.test_completion_format import QWEN3_SPECIAL_TOKENS, QWEN3_TEMPLATE, QWEN_PATTERN, QWEN_TIKTOKEN
 
-    tok_dir = tmp_path / "qwen3"
+    tokenizer_dir = tmp_path / "qwen3"
     built = tokenizer_from_tiktoken(QWEN_TIKTOKEN, QWEN3_SPECIAL_TOKENS, QWEN_PATTERN)
     built.eos_token = "<|im_end|>"
     built.chat_template = QWEN3_TEMPLATE
-    built.save_pretrained(tok_dir)
-    tokenizer = load_tokenizer(TokenizerConfig(path=tok_dir))
+    built.save_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(TokenizerConfig(path=tokenizer_dir))
     fmt = PRESETS["qwen3_thinking"]
     write_inputs(
         tmp_path,
@@ -254,7 +246,7 @@ def test_real_qwen3_tokenizer_round_trip(tmp_path: Path) -> None:
         CONVERSATIONS,
         [response_row(sid_of(c), r, a) for c, (r, a) in zip(CONVERSATIONS, ANSWERS, strict=True)],
     )
-    reconstruct_part(make_cfg(tmp_path, tok_dir, loss_on_reasoning=False), 0, fmt)
+    reconstruct_part(make_cfg(tmp_path, tokenizer_dir, loss_on_reasoning=False), 0, fmt)
     for row, conv, (reasoning, content) in zip(
         read_part(PartRef(tmp_path, "tokens", 0)).to_pylist(), CONVERSATIONS, ANSWERS, strict=True
     ):
@@ -269,12 +261,12 @@ def test_real_qwen3_tokenizer_round_trip(tmp_path: Path) -> None:
 
 
 def test_finished_conversation_is_not_re_rendered(
-    tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """The demo template drops reasoning from assistant turns: a re-render would lose what the model generated."""
     conv = CONVERSATIONS[0]
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "R", "C")])
-    reconstruct_part(make_cfg(tmp_path, tok_dir), 0, DEMO)
+    reconstruct_part(make_cfg(tmp_path, tokenizer_dir), 0, DEMO)
     ids = read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()[0]["input_ids"]
     finished: list[dict[str, str]] = [
         {"role": "user", "content": conv[0]["content"]},
@@ -291,11 +283,11 @@ def test_chat_template_kwargs_reach_the_prompt(tmp_path: Path) -> None:
     config decide the prompt, and ids recorded by an endpoint that rendered without them are refused."""
     from tests.fixtures.families import deepseek_dir
 
-    tok_dir = deepseek_dir(tmp_path / "v31")
+    tokenizer_dir = deepseek_dir(tmp_path / "v31")
     conv = CONVERSATIONS[0]
-    base = make_cfg(tmp_path, tok_dir)
+    base = make_cfg(tmp_path, tokenizer_dir)
     thinking = base.model_copy(
-        update={"tokenizer": TokenizerConfig(path=tok_dir, chat_template_kwargs={"thinking": True})}
+        update={"tokenizer": TokenizerConfig(path=tokenizer_dir, chat_template_kwargs={"thinking": True})}
     )
     tokenizer = load_tokenizer(thinking.tokenizer)
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "R", "C")])

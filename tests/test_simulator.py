@@ -11,10 +11,9 @@ from typing import Any
 import aiohttp
 import httpx
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.__main__ import parse_args
-from endpoint_sim.assets import write_tokenizer_dir
 from endpoint_sim.responder import REASONING_CLOSE, FailureRule, Responder, SimConfig
 from endpoint_sim.server import SimState, SimulatorServer
 from tasks.tokenizer_loading import render_prompt_ids
@@ -24,25 +23,14 @@ BASELINE = SimConfig()
 
 
 @pytest.fixture(scope="module")
-def sim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer_dir(tmp_path_factory.mktemp("sim_model"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(sim_model_dir: Path) -> PreTrainedTokenizerBase:
-    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(sim_model_dir), local_files_only=True)
-    return tok
-
-
-@pytest.fixture(scope="module")
-def local(sim_model_dir: Path) -> Responder:
+def local(tokenizer_dir: Path) -> Responder:
     """An independent responder in the test thread: predicts what the server must answer."""
-    return Responder(sim_model_dir)
+    return Responder(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
-def server(sim_model_dir: Path) -> Iterator[SimulatorServer]:
-    with SimulatorServer(sim_model_dir, BASELINE) as srv:
+def server(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
+    with SimulatorServer(tokenizer_dir, BASELINE) as srv:
         yield srv
 
 

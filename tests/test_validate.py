@@ -9,14 +9,12 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from endpoint_sim.assets import write_tokenizer_dir
 from tasks.completion_format import PRESETS
-from tasks.config import PipelineConfig, TokenizerConfig, ValidationConfig
+from tasks.config import PipelineConfig, ValidationConfig
 from tasks.errors import ValidationGateError
 from tasks.messages import Message
 from tasks.reconstruct import reconstruct_part
 from tasks.shards import PartRef, read_part
-from tasks.tokenizer_loading import load_tokenizer
 from tasks.validate import check_gates, summarize_validation, validate_part
 from tests.test_reconstruct import make_cfg, response_row, sid_of, write_inputs
 
@@ -24,16 +22,6 @@ DEMO = PRESETS["deepseek_v31_thinking"]
 EOS = "<｜end▁of▁sentence｜>"
 REASONING = "Recall the truth table."
 CONTENT = "A NOR gate is an OR gate followed by NOT."
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tok_dir: Path) -> PreTrainedTokenizerBase:
-    return load_tokenizer(TokenizerConfig(path=tok_dir))
 
 
 def conv(i: int) -> list[Message]:
@@ -63,7 +51,7 @@ def run_part(cfg: PipelineConfig, part: int, cases: list[dict[str, Any]]) -> dic
     }
 
 
-def test_reference_classification(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_reference_classification(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
     nor = encode(tokenizer, " NOR")
     assert len(nor) == 1
@@ -73,7 +61,7 @@ def test_reference_classification(tmp_path: Path, tok_dir: Path, tokenizer: PreT
     non_canonical = [*completion[:at], *split, *completion[at + 1 :]]
     changed = encode(tokenizer, f"{REASONING}</think>{CONTENT.replace('NOT', 'XOR')}{EOS}")
 
-    cfg = make_cfg(tmp_path, tok_dir)
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     rows = run_part(
         cfg,
         0,
@@ -99,8 +87,8 @@ def test_reference_classification(tmp_path: Path, tok_dir: Path, tokenizer: PreT
     assert "XOR" in real["divergence_reference"] and "NOT" in real["divergence_ours"]
 
 
-def test_structural_issues(tmp_path: Path, tok_dir: Path) -> None:
-    cfg = make_cfg(tmp_path, tok_dir)
+def test_structural_issues(tmp_path: Path, tokenizer_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     cases: list[dict[str, Any]] = [
         {"content": "Sure.</think>Actually the answer."},
         {"content": "Hello <｜User｜> again"},
@@ -126,9 +114,9 @@ def test_structural_issues(tmp_path: Path, tok_dir: Path) -> None:
     assert issues["8"] == [] and verdicts["8"] == "pass"
 
 
-def test_billing_delta_is_flagged(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_billing_delta_is_flagged(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     ours = len(encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}"))
-    cfg = make_cfg(tmp_path, tok_dir)
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     rows = run_part(cfg, 0, [{"completion_tokens": ours}, {"completion_tokens": ours + 10}])
     assert rows["0"]["billing_delta_tokens"] == 0 and rows["0"]["verdict"] == "pass"
     flagged = rows["1"]
@@ -138,10 +126,10 @@ def test_billing_delta_is_flagged(tmp_path: Path, tok_dir: Path, tokenizer: PreT
     assert flagged["verdict"] == "warn"
 
 
-def test_summary_and_gates(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_summary_and_gates(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
     changed = encode(tokenizer, f"{REASONING}</think>Something else entirely.{EOS}")
-    cfg = make_cfg(tmp_path, tok_dir)
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     run_part(
         cfg,
         0,
@@ -170,8 +158,8 @@ def test_summary_and_gates(tmp_path: Path, tok_dir: Path, tokenizer: PreTrainedT
     check_gates([summary], ValidationConfig(max_real_difference_rate=0.5, max_failed_rate=0.25))
 
 
-def test_rerun_reuses_the_done_part(tmp_path: Path, tok_dir: Path) -> None:
-    cfg = make_cfg(tmp_path, tok_dir)
+def test_rerun_reuses_the_done_part(tmp_path: Path, tokenizer_dir: Path) -> None:
+    cfg = make_cfg(tmp_path, tokenizer_dir)
     run_part(cfg, 0, [{}])
     again = validate_part(cfg, 0, DEMO)
     assert again["reused"] and again["rows"] == 1

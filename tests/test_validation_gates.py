@@ -9,17 +9,11 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import TokenizerConfig, ValidationConfig
+from tasks.config import ValidationConfig
 from tasks.errors import ValidationGateError
-from tasks.tokenizer_loading import load_tokenizer
 from tasks.validate import check_gates, gate_violations, serving_key, summarize_validation
 from tests.test_reconstruct import make_cfg
 from tests.test_validate import CONTENT, EOS, REASONING, encode, run_part
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return load_tokenizer(TokenizerConfig(path=tokenizer_dir))
 
 
 def ours(tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:

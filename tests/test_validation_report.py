@@ -14,18 +14,12 @@ import pytest
 from matplotlib.image import imread
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import PipelineConfig, TokenizerConfig, ValidationConfig
+from tasks.config import PipelineConfig, ValidationConfig
 from tasks.errors import ValidationGateError
 from tasks.report import write_validation_report
-from tasks.tokenizer_loading import load_tokenizer
 from tasks.validate import gate_violations, summarize_validation
 from tests.test_reconstruct import make_cfg
 from tests.test_validate import CONTENT, EOS, REASONING, encode, run_part
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    return load_tokenizer(TokenizerConfig(path=tokenizer_dir))
 
 
 def populated_run(run_dir: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> PipelineConfig:
