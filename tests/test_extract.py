@@ -133,6 +133,19 @@ def reference_bf16(tiny_model_dir: Path) -> PreTrainedModel:
     return model.eval()
 
 
+def assert_stored_equal_direct(
+    run_dir: Path, reference: PreTrainedModel, samples: dict[str, list[int]], tol: float
+) -> None:
+    """Every stored sample's aux and final states equal an unbatched forward of the reference model."""
+    rows = index_rows(run_dir)
+    assert {r["sample_id"] for r in rows} == set(samples)
+    for row in rows:
+        _, aux, final = load_hidden_states(run_dir, row)
+        exp_aux, exp_final = direct_states(reference, samples[row["sample_id"]])
+        torch.testing.assert_close(aux, exp_aux, rtol=tol, atol=tol)
+        torch.testing.assert_close(final, exp_final, rtol=tol, atol=tol)
+
+
 def tamper(
     runner: HFHiddenStateRunner,
     monkeypatch: pytest.MonkeyPatch,
@@ -231,11 +244,7 @@ def test_float32_padded_batches_match(
     stats = extract_part(make_cfg(tmp_path, tiny_model_dir, dtype="float32", max_tokens_per_batch=80), 0, runner_f32)
     assert stats["batches"] < len(LENGTHS)
     assert 0.0 < stats["padding_waste_frac"] < 1.0
-    for row in index_rows(tmp_path):
-        _, aux, final = load_hidden_states(tmp_path, row)
-        exp_aux, exp_final = direct_states(reference_f32, samples[row["sample_id"]])
-        torch.testing.assert_close(aux, exp_aux, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(final, exp_final, rtol=1e-5, atol=1e-5)
+    assert_stored_equal_direct(tmp_path, reference_f32, samples, tol=1e-5)
 
 
 def test_bfloat16_batched_matches_within_tolerance(
@@ -287,11 +296,7 @@ def test_device_map_placement_matches_direct_computation(
     samples = sample_ids(LENGTHS, seed=10)
     write_tokens(tmp_path, samples)
     extract_part(make_cfg(tmp_path, tiny_model_dir, dtype="float32", device_map="auto"), 0, runner)
-    for row in index_rows(tmp_path):
-        _, aux, final = load_hidden_states(tmp_path, row)
-        exp_aux, exp_final = direct_states(reference_f32, samples[row["sample_id"]])
-        torch.testing.assert_close(aux, exp_aux, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(final, exp_final, rtol=1e-5, atol=1e-5)
+    assert_stored_equal_direct(tmp_path, reference_f32, samples, tol=1e-5)
     with pytest.raises(ConfigError, match="device_map"):
         HFHiddenStateRunner.load(tiny_model_dir, device="cpu", device_map="auto")
 
@@ -623,8 +628,4 @@ def test_device_map_over_two_gpus(tmp_path: Path, tiny_model_dir: Path, referenc
     samples = sample_ids(LENGTHS, seed=15)
     write_tokens(tmp_path, samples)
     extract_part(make_cfg(tmp_path, tiny_model_dir, dtype="float32", device_map="balanced"), 0, runner)
-    for row in index_rows(tmp_path):
-        _, aux, final = load_hidden_states(tmp_path, row)
-        exp_aux, exp_final = direct_states(reference_f32, samples[row["sample_id"]])
-        torch.testing.assert_close(aux, exp_aux, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(final, exp_final, rtol=1e-4, atol=1e-4)
+    assert_stored_equal_direct(tmp_path, reference_f32, samples, tol=1e-4)
