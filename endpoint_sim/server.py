@@ -170,6 +170,26 @@ def _truncate(sample: SimSample, limit: int | None) -> tuple[tuple[int, ...], st
     return sample.output_ids, "stop"
 
 
+async def _admit(
+    state: SimState,
+    request: web.Request,
+    route: str,
+    prompt_ids: tuple[int, ...],
+    seed: int | None,
+    limit: int | None,
+) -> web.Response | tuple[str, int, SimSample, tuple[int, ...], str]:
+    """What both routes do once a request parsed: count the attempt, apply auth and injected failures (a
+    response to send back), else draw the sample and cut it at the token limit."""
+    key = state.responder.key(prompt_ids, seed)
+    attempt = state.count(route, key)
+    refused = _auth_failure(state, request) or await _injected(state, key, attempt, len(prompt_ids))
+    if refused is not None:
+        return refused
+    sample = state.responder.sample(prompt_ids, seed, key)
+    ids, finish = _truncate(sample, limit)
+    return key, attempt, sample, ids, finish
+
+
 async def chat_completions(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
@@ -192,13 +212,10 @@ async def chat_completions(request: web.Request) -> web.Response:
         return state.respond(400, _error(400, str(exc)))
     responder = state.responder
     prompt_ids = responder.prompt_ids_for_messages(messages)
-    key = responder.key(prompt_ids, seed)
-    attempt = state.count("chat", key)
-    refused = _auth_failure(state, request) or await _injected(state, key, attempt, len(prompt_ids))
-    if refused is not None:
-        return refused
-    sample = responder.sample(prompt_ids, seed, key)
-    ids, finish = _truncate(sample, max_tokens)
+    admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens)
+    if isinstance(admitted, web.Response):
+        return admitted
+    key, attempt, sample, ids, finish = admitted
     if finish == "stop":
         reasoning, content, reasoning_tokens = sample.reasoning, sample.content, sample.reasoning_tokens
     elif responder.reasoning_close_id in ids:
@@ -262,13 +279,10 @@ async def generate(request: web.Request) -> web.Response:
     except ValueError as exc:
         return state.respond(400, _error(400, str(exc)))
     responder = state.responder
-    key = responder.key(prompt_ids, seed)
-    attempt = state.count("generate", key)
-    refused = _auth_failure(state, request) or await _injected(state, key, attempt, len(prompt_ids))
-    if refused is not None:
-        return refused
-    sample = responder.sample(prompt_ids, seed, key)
-    ids, finish = _truncate(sample, max_new)
+    admitted = await _admit(state, request, "generate", prompt_ids, seed, max_new)
+    if isinstance(admitted, web.Response):
+        return admitted
+    key, attempt, sample, ids, finish = admitted
     skip = bool(params.get("skip_special_tokens", True))
     if finish == "stop":
         out_text = sample.reasoning + sample.content if skip and responder.close_is_special else sample.text
