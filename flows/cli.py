@@ -83,34 +83,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-SUMMARY_ROWS = (
-    "responses",
-    "failed_responses",
-    "pass",
-    "warn",
-    "fail",
-    "exact",
-    "bpe_artifact",
-    "real_difference",
-    "no_reference",
-)
-
-
 def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     console.print(f"\n[bold]eagle3-datagen demo finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
-    summary = stats["validation_summary"]
+    from tasks.report import overview_rows
+
+    overview = overview_rows(stats["validation_summary"])
     table = Table(title="validation summary")
     table.add_column("metric")
-    for row in summary:
+    for row in overview:
         table.add_column(str(row["dataset"]), justify="right")
-    for key in SUMMARY_ROWS:
-        table.add_row(key, *(str(row.get(key, "")) for row in summary))
-    table.add_row("billing delta (tokens)", *(str(row["billing"]["delta_tokens"]) for row in summary))
-    table.add_row("billing delta (frac)", *(f"{row['billing']['delta_frac']:.4%}" for row in summary))
+    for metric in overview[0] if overview else []:
+        if metric != "dataset":
+            table.add_row(metric, *(str(row[metric]) for row in overview))
     console.print(table)
     prep = stats["prepare"]
     gen = stats["generate"]["total"]
