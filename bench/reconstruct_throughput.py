@@ -83,7 +83,9 @@ def build_parts(run_dir: Path, tokenizer: Any, samples: int, parts: int, seed: i
             total_words = rng.randint(1200, 4800)  # ~2-8k tokens
             reasoning_words = int(total_words * rng.uniform(0.3, 0.7))
             source = {"source_file": "synthetic", "source_row": i}
-            prompts.append({"sample_id": sid, "dataset": DATASET, **source, "messages": messages})
+            prompts.append(
+                {"sample_id": sid, "dataset": DATASET, **source, "messages": messages, "prompt_id": sid, "sample_index": 0}
+            )
             row: dict[str, Any] = {name: None for name in RESPONSES.names}
             row.update(
                 sample_id=sid,

@@ -16,7 +16,9 @@ from prefect.artifacts import Artifact, create_markdown_artifact, create_table_a
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
+from prefect.states import Completed
 
+from flows.generate_progress import PrefectProgressListener, publish_generate_summary
 from flows.params import RunParameters, in_slice, resolve_run
 from flows.retry_policy import retry_transient
 from tasks.artifact_store import RunStore
@@ -70,12 +72,18 @@ def check_tokenizer_task(cfg: PipelineConfig) -> str:
 
 @task(name="generate", task_run_name="generate-{n_parts}-parts", **TASK_OPTIONS)
 def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[str, Any]:
+    """All parts in one task: one global in-flight window across shards, no barrier at part boundaries."""
     probe_endpoint(cfg.endpoint)
     tokenizer = load_tokenizer(cfg.tokenizer)
     reasoning_close, end_of_turn = _format(cfg).markers()
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
-    summary = generate_parts(cfg, refs, CompletionMarkers(reasoning_close, end_of_turn), tokenizer)
-    return summary.to_dict()
+    markers = CompletionMarkers(reasoning_close, end_of_turn)
+    summary = generate_parts(cfg, refs, markers, tokenizer, listeners=[PrefectProgressListener()])
+    out = summary.to_dict()
+    out["datasets"] = publish_generate_summary(cfg, parts)
+    if summary.stopped == "budget":
+        get_run_logger().warning(budget_message(cfg, summary.spent_usd))
+    return out
 
 
 @task(name="reconstruct", task_run_name="reconstruct-part-{part:05d}", **TASK_OPTIONS)
@@ -160,6 +168,26 @@ def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]
     return stats
 
 
+def budget_message(cfg: PipelineConfig, spent_usd: float) -> str:
+    return (
+        f"stopped at the cost cap: ${spent_usd:.4f} spent of endpoint.max_cost_usd ${cfg.endpoint.max_cost_usd}; "
+        "every request reserves its worst case, so the cap is never crossed. Finished samples are committed; "
+        "raise endpoint.max_cost_usd and rerun to continue (nothing already done is sent again)."
+    )
+
+
+def _budget_stopped(stats: dict[str, Any]) -> bool:
+    return bool(stats.get("total", {}).get("stopped") == "budget")
+
+
+def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
+    """A run the cost cap ended is not a failure: it completes, named so the UI and automations can tell."""
+    if _budget_stopped(stats.get("generate", stats)):
+        spent = stats.get("generate", stats)["total"]["run_dir_spent_usd"]
+        return Completed(message=budget_message(cfg, spent), name="BudgetStopped", data=stats)
+    return stats
+
+
 def stage_cpu(
     cfg: PipelineConfig, store: RunStore | None, parts: list[int], run: RunParameters | None = None
 ) -> dict[str, Any]:
@@ -216,11 +244,14 @@ def run_pipeline(
     parts: list[int] = prepare["parts"]
     stats["completion_format"] = cfg.tokenizer.completion_format
     stats["generate"] = stage_generate(cfg, store, parts)
-    stats.update(stage_cpu(cfg, store, parts, run))
-    if cfg.extract.enabled and run is not None and run.extract_deployment:
-        stats["extract"] = extract_on_deployment(run)
-    elif cfg.extract.enabled:
-        stats["extract"] = run_extract(cfg, parts, store)
+    if _budget_stopped(stats["generate"]):
+        stats["stopped"] = "budget"
+    else:
+        stats.update(stage_cpu(cfg, store, parts, run))
+        if cfg.extract.enabled and run is not None and run.extract_deployment:
+            stats["extract"] = extract_on_deployment(run)
+        elif cfg.extract.enabled:
+            stats["extract"] = run_extract(cfg, parts, store)
     stats["wall_s"] = round(time.monotonic() - started, 3)
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
     if store is not None:
@@ -237,9 +268,11 @@ def _markdown_summary(stats: dict[str, Any]) -> str:
         f"- wall time: {stats['wall_s']} s",
         f"- prompts: {sum(d['kept'] for d in prep['datasets'].values())} kept, {prep['quarantined']} quarantined",
         f"- generate: {json.dumps(gen.get('total', gen), default=str)}",
-        f"- tokens parts: {len(stats['reconstruct'])}, validation parts: {len(stats['validate'])}, "
+        f"- tokens parts: {len(stats.get('reconstruct', []))}, validation parts: {len(stats.get('validate', []))}, "
         f"extract parts: {len(stats.get('extract', []))}",
     ]
+    if stats.get("stopped") == "budget":
+        lines.append("- **stopped at the cost cap** after generate; later stages did not run. Rerun to continue.")
     return "\n".join(lines)
 
 
@@ -267,7 +300,7 @@ def pipeline(run: RunParameters) -> dict[str, Any]:
     """Every stage; each resumes from the completion markers already in the run directory."""
     resolved = resolve_run(run)
     _pull(resolved.store, *STAGES)
-    return run_pipeline(resolved.cfg, resolved.store, run)
+    return _finish(run_pipeline(resolved.cfg, resolved.store, run), resolved.cfg)
 
 
 @flow(name="eagle3-prepare", **FLOW_OPTIONS)
@@ -281,7 +314,7 @@ def generate_flow(run: RunParameters) -> dict[str, Any]:
     """Generate for every prepared part; a rerun retries only failed samples."""
     resolved = resolve_run(run)
     _pull(resolved.store, "prompts", "responses")
-    return stage_generate(resolved.cfg, resolved.store, _parts(resolved.cfg, "prompts"))
+    return _finish(stage_generate(resolved.cfg, resolved.store, _parts(resolved.cfg, "prompts")), resolved.cfg)
 
 
 @flow(name="eagle3-validate", **FLOW_OPTIONS)

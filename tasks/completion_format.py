@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tasks.config import PipelineConfig
 from tasks.errors import ConfigError
-from tasks.tokenizer_loading import added_tokens
+from tasks.tokenizer_loading import REASONING_KEYS, added_tokens
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,6 @@ def loss_mask_values(loss_on_reasoning: bool, loss_on_end_of_turn: bool) -> tupl
 SENTINEL_USER = "SentinelUserTurnQx7"
 SENTINEL_REASONING = "SentinelReasoningQx7"
 SENTINEL_CONTENT = "SentinelContentQx7"
-REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 SENTINEL_TOOL_CALL = {
     "id": "functions.sentinel_tool:0",
     "type": "function",

@@ -43,8 +43,18 @@ class SamplingConfig(StrictModel):
     temperature: float = Field(default=0.6, ge=0.0, le=2.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     max_tokens: int = Field(default=4096, ge=1, le=1_048_576)
-    seed: int | None = None
+    seed: int | None = Field(
+        default=None, description="Sent as the request seed; sample k of a prompt is sent seed + k."
+    )
     stop: list[str] | None = None
+    samples_per_prompt: int = Field(
+        default=1, ge=1, le=256, description="Responses per prompt; each is its own sample_id (k=0 keeps the id)."
+    )
+    regenerate: Literal["final_turn", "every_turn"] = Field(
+        default="final_turn",
+        description="final_turn: answer the conversation's last user turn; every_turn: answer each user turn in "
+        "order, with the target's own earlier answers as history.",
+    )
 
 
 class EndpointConfig(StrictModel):
@@ -72,6 +82,28 @@ class EndpointConfig(StrictModel):
     price_completion_usd_per_mtok: float = Field(default=0.0, ge=0)
     commit_every_samples: int = Field(default=256, ge=1)
     commit_every_s: float = Field(default=10.0, gt=0)
+    stream: bool = Field(default=False, description="openai_chat: Server-Sent Events (usage in the final chunk).")
+    stream_idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="Streaming: a gap this long between two chunks is a timeout."
+    )
+    min_in_flight: int = Field(
+        default=8,
+        ge=1,
+        description="Floor of the adaptive window (capped by max_in_flight): 429s shrink the window, "
+        "healthy answers regrow it.",
+    )
+    max_cost_usd: float | None = Field(
+        default=None,
+        gt=0,
+        description="Hard cap on the run directory's total spend; in-flight requests reserve their worst case.",
+    )
+    reconcile_cost: bool = Field(
+        default=False, description="OpenRouter: fetch each generation's billed cost from /api/v1/generation?id=."
+    )
+    require_reasoning: bool = Field(
+        default=False, description="An answer with empty reasoning is retried (reasoning models that must think)."
+    )
+    progress_every_s: float = Field(default=2.0, gt=0, description="How often progress listeners are called.")
 
     @field_validator("base_url")
     @classmethod
@@ -172,8 +204,16 @@ class PipelineConfig(StrictModel):
             raise ValueError(f"dataset names must be unique, repeated: {dupes}")
         if self.extract.layers is not None and len(self.extract.layers) != 3:
             raise ValueError(f"extract.layers must name exactly 3 layers (low, mid, high), got {self.extract.layers}")
-        if self.endpoint.backoff_max_s < self.endpoint.backoff_base_s:
+        ep = self.endpoint
+        if ep.backoff_max_s < ep.backoff_base_s:
             raise ValueError("endpoint.backoff_max_s must be >= endpoint.backoff_base_s")
+        if ep.max_cost_usd is not None and ep.price_completion_usd_per_mtok == 0:
+            raise ValueError(
+                "endpoint.max_cost_usd needs endpoint.price_prompt_usd_per_mtok and price_completion_usd_per_mtok: "
+                "the cap reserves each in-flight request's worst-case cost before sending it"
+            )
+        if ep.stream and ep.kind != "openai_chat":
+            raise ValueError("endpoint.stream applies to openai_chat endpoints only")
         return self
 
     @property

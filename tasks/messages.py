@@ -28,6 +28,14 @@ def sample_id(dataset: str, messages: list[Message]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
+def response_sample_id(prompt_id: str, sample_index: int) -> str:
+    """Id of the k-th response to one prompt. k=0 keeps the prompt's id, so raising `samples_per_prompt` on an
+    existing run adds samples and never renames the ones already generated."""
+    if sample_index == 0:
+        return prompt_id
+    return hashlib.sha256(f"{prompt_id}/{sample_index}".encode()).hexdigest()[:32]
+
+
 def prompt_messages(messages: list[Message] | list[dict[str, Any]]) -> list[Message]:
     """The prompt the target answers: the conversation without its trailing assistant turn(s).
 

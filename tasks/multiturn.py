@@ -48,13 +48,24 @@ class RegeneratedSpan:
 
 @dataclass(frozen=True)
 class MultiturnSequence:
+    """`context`/`completion`: the texts encoded into input_ids[:prompt_len] and input_ids[prompt_len:]."""
+
     input_ids: list[int]
     loss_mask: list[int]
     prompt_len: int
     spans: list[RegeneratedSpan]
+    context: str
+    completion: str
+
+    @property
+    def reasoning_len(self) -> int:
+        """Tokens of the final completion's reasoning section (open tag, reasoning, close tag, separator)."""
+        return sum(s.end - s.start for s in self.spans if s.kind == "completion_reasoning")
 
 
-def _template_messages(turns: Sequence[ConversationTurn]) -> list[dict[str, Any]]:
+def template_messages(turns: Sequence[ConversationTurn]) -> list[dict[str, Any]]:
+    """Chat-template messages of `turns`: an assistant turn's reasoning under every key templates read it from
+    (the request an engine renders must carry it the same way, or its context differs from ours)."""
     out: list[dict[str, Any]] = []
     for t in turns:
         message: dict[str, Any] = {"role": t["role"], "content": t.get("content") or ""}
@@ -123,7 +134,7 @@ def build_multiturn_sequence(
     for i, t in enumerate(history):
         if t.get("generated") and t["role"] != "assistant":
             raise ValueError(f"turn {i} is marked generated but its role is {t['role']!r}")
-    messages = _template_messages(history)
+    messages = template_messages(history)
     context = _render(tokenizer, messages, kwargs)
     if SENTINEL in context:
         raise ValueError("the conversation contains the span sentinel text")
@@ -174,4 +185,4 @@ def build_multiturn_sequence(
         )
         if b > a
     ]
-    return MultiturnSequence([*context_ids, *completion_ids], mask, p, spans)
+    return MultiturnSequence([*context_ids, *completion_ids], mask, p, spans, context, layout.text)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from tasks.config import DatasetConfig, PipelineConfig
 from tasks.errors import ConfigError
-from tasks.messages import ROLES, Message, prompt_messages, sample_id
+from tasks.messages import ROLES, Message, prompt_messages, response_sample_id, sample_id
 from tasks.schemas import PROMPTS
 from tasks.shards import PartRef, atomic_write_text, done_parts, read_part, write_part
 
@@ -153,7 +153,11 @@ def _fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
             "shape": ds.shape,
             "max_samples": ds.max_samples,
         }
-    return {"datasets": files, "samples_per_shard": cfg.samples_per_shard}
+    return {
+        "datasets": files,
+        "samples_per_shard": cfg.samples_per_shard,
+        "samples_per_prompt": cfg.sampling.samples_per_prompt,
+    }
 
 
 def _existing_samples(cfg: PipelineConfig) -> tuple[set[str], dict[str, list[int]], int]:
@@ -222,18 +226,22 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
                 continue
             seen.add(sid)
             c.kept += 1
-            if sid in existing:
-                c.already_prepared += 1
-                continue
-            rows.append(
-                {
-                    "sample_id": sid,
-                    "dataset": ds.name,
-                    "source_file": str(ds.path),
-                    "source_row": row_no,
-                    "messages": messages,
-                }
-            )
+            for k in range(cfg.sampling.samples_per_prompt):
+                rid = response_sample_id(sid, k)
+                if rid in existing:
+                    c.already_prepared += 1
+                    continue
+                rows.append(
+                    {
+                        "sample_id": rid,
+                        "dataset": ds.name,
+                        "source_file": str(ds.path),
+                        "source_row": row_no,
+                        "messages": messages,
+                        "prompt_id": sid,
+                        "sample_index": k,
+                    }
+                )
         c.new = len(rows)
         for start in range(0, len(rows), cfg.samples_per_shard):
             chunk = rows[start : start + cfg.samples_per_shard]

@@ -8,6 +8,11 @@ Where the endpoint recorded the prompt ids it sent, ours must equal them, or the
 Encoding goes through `tasks.tokenizer_backend` in batches (Rust `tokenizers`, tiktoken's threaded core, or,
 for other Python tokenizers, their own `encode`); per-row Python is limited to bookkeeping so that
 reconstruction runs near raw `tokenizers` throughput (`bench/reconstruct_throughput.py`).
+
+A response regenerated turn by turn (`sampling.regenerate: every_turn`) carries the final request's `history`;
+its row is the template's rendering of that history (the context the target saw last) plus the final
+completion, masked over every span the target wrote (`tasks.multiturn`). Those rows are built one by one,
+the others in the batch path; output rows keep prompt order either way.
 """
 
 from __future__ import annotations
@@ -32,17 +37,32 @@ from tasks.completion_format import (
 from tasks.config import PipelineConfig, ReconstructConfig
 from tasks.errors import ConfigError, ReconstructionError
 from tasks.messages import Message, prompt_messages
+from tasks.multiturn import ConversationTurn, build_multiturn_sequence
 from tasks.shards import PartRef, read_marker, read_part, read_provenance, write_part
 from tasks.special_tokens import verify_special_tokens
 from tasks.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
 from tasks.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_provenance
 
-RESPONSE_COLUMNS = ["sample_id", "dataset", "status", "reasoning", "content", "finish_reason", "prompt_ids"]
+RESPONSE_COLUMNS = [
+    "sample_id",
+    "dataset",
+    "status",
+    "reasoning",
+    "content",
+    "finish_reason",
+    "prompt_ids",
+    "history",
+]
+TOKEN_STATS = ("rows", "tokens", "prompt_tokens", "completion_tokens", "reasoning_tokens", "loss_tokens")
 
 
 @dataclass(frozen=True)
 class SampleText:
-    """One finished generation as text, paired with its prompt."""
+    """One finished generation as text, paired with its prompt.
+
+    `history`: the turns of the final request before the answer, when the conversation was regenerated turn by
+    turn; None when the request was the prompt's own messages.
+    """
 
     sample_id: str
     dataset: str
@@ -51,10 +71,16 @@ class SampleText:
     content: str | None
     finish_reason: str | None
     prompt_ids: list[int] | None
+    history: list[ConversationTurn] | None = None
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    def turns(self) -> list[ConversationTurn]:
+        """The regenerated conversation, ending with the final answer."""
+        final = ConversationTurn(role="assistant", content=self.content or "", reasoning=self.reasoning, generated=True)
+        return [*(self.history or []), final]
 
 
 def _check_prompt_ids(sample: SampleText, ours: list[int]) -> None:
@@ -146,14 +172,47 @@ def encode_completions(
     return ids, at
 
 
-def build_tokens_table(
+def _tokens_table(
+    fmt: CompletionFormat,
+    samples: Sequence[SampleText],
+    row_offsets: np.ndarray,
+    flat: np.ndarray,
+    mask: np.ndarray,
+    lens: np.ndarray,
+) -> tuple[pa.Table, dict[str, int]]:
+    """`lens`: per row (prompt_len, completion_len, reasoning_len)."""
+    offsets = pa.array(row_offsets.astype(np.int32))
+    n = len(samples)
+    table = pa.table(
+        {
+            "sample_id": pa.array([s.sample_id for s in samples], pa.string()),
+            "dataset": pa.array([s.dataset for s in samples], pa.string()),
+            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat, pa.int32())),
+            "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask, pa.uint8())),
+            "prompt_len": pa.array(lens[:, 0].astype(np.int32)),
+            "completion_len": pa.array(lens[:, 1].astype(np.int32)),
+            "reasoning_len": pa.array(lens[:, 2].astype(np.int32)),
+            "completion_format": pa.array([fmt.name] * n, pa.string()),
+        }
+    )
+    stats = {
+        "rows": n,
+        "tokens": int(row_offsets[-1]),
+        "prompt_tokens": int(lens[:, 0].sum()),
+        "completion_tokens": int(lens[:, 1].sum()),
+        "reasoning_tokens": int(lens[:, 2].sum()),
+        "loss_tokens": int(mask.sum(dtype=np.int64)),
+    }
+    return table, stats
+
+
+def _final_turn_rows(
     tokenizer: PreTrainedTokenizerBase,
     fmt: CompletionFormat,
     samples: Sequence[SampleText],
     rcfg: ReconstructConfig,
-    template_kwargs: Mapping[str, Any] | None = None,
+    template_kwargs: Mapping[str, Any] | None,
 ) -> tuple[pa.Table, dict[str, int]]:
-    """The `tokens` rows for `samples`, in order, and their token totals."""
     backend = backend_for(tokenizer)
     sample_ids = [s.sample_id for s in samples]
     prompts = [render_prompt(tokenizer, prompt_messages(s.messages), template_kwargs) for s in samples]
@@ -174,42 +233,100 @@ def build_tokens_table(
         segments[:, 1] = at[:, 0]
         segments[:, 2] = at[:, 1] - at[:, 0]
         segments[:, 3] = completion_lens - at[:, 1]
-    lengths = segments.sum(axis=1)
     row_offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=row_offsets[1:])
-    total = int(row_offsets[-1])
+    np.cumsum(segments.sum(axis=1), out=row_offsets[1:])
     pairs = zip(prompt_ids, completion_ids, strict=True)
     interleaved = itertools.chain.from_iterable(itertools.chain.from_iterable(pairs))
-    flat = np.fromiter(interleaved, dtype=np.int32, count=total)
+    flat = np.fromiter(interleaved, dtype=np.int32, count=int(row_offsets[-1]))
     values = np.tile(np.asarray(loss_mask_values(rcfg.loss_on_reasoning, rcfg.loss_on_end_of_turn), np.uint8), n)
     mask = np.repeat(values, segments.ravel())
-    offsets = pa.array(row_offsets.astype(np.int32))
-    completion_len = segments[:, 1:].sum(axis=1)
-    table = pa.table(
-        {
-            "sample_id": pa.array(sample_ids, pa.string()),
-            "dataset": pa.array([s.dataset for s in samples], pa.string()),
-            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat)),
-            "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask)),
-            "prompt_len": pa.array(segments[:, 0].astype(np.int32)),
-            "completion_len": pa.array(completion_len.astype(np.int32)),
-            "reasoning_len": pa.array(segments[:, 1].astype(np.int32)),
-            "completion_format": pa.array([fmt.name] * n, pa.string()),
-        }
-    )
-    stats = {
-        "rows": n,
-        "tokens": total,
-        "prompt_tokens": int(segments[:, 0].sum()),
-        "completion_tokens": int(completion_len.sum()),
-        "reasoning_tokens": int(segments[:, 1].sum()),
-        "loss_tokens": int(mask.sum(dtype=np.int64)),
-    }
-    return table, stats
+    lens = np.stack([segments[:, 0], segments[:, 1:].sum(axis=1), segments[:, 1]], axis=1)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens)
+
+
+def _multiturn_rows(
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: CompletionFormat,
+    samples: Sequence[SampleText],
+    rcfg: ReconstructConfig,
+    template_kwargs: Mapping[str, Any] | None,
+) -> tuple[pa.Table, dict[str, int]]:
+    """Rows of turn-by-turn regenerated conversations; prompt_len is the final request's context."""
+    seqs = []
+    for s in samples:
+        try:
+            seq = build_multiturn_sequence(
+                tokenizer,
+                fmt,
+                s.turns(),
+                loss_on_reasoning=rcfg.loss_on_reasoning,
+                loss_on_end_of_turn=rcfg.loss_on_end_of_turn,
+                truncated=s.truncated,
+                template_kwargs=template_kwargs,
+            )
+        except ValueError as exc:
+            raise ReconstructionError(s.sample_id, str(exc)) from exc
+        _check_prompt_ids(s, seq.input_ids[: seq.prompt_len])
+        seqs.append(seq)
+    backend = backend_for(tokenizer)
+    sample_ids = [s.sample_id for s in samples]
+    backend.spot_check([q.context for q in seqs], sample_ids, [q.input_ids[: q.prompt_len] for q in seqs])
+    backend.spot_check([q.completion for q in seqs], sample_ids, [q.input_ids[q.prompt_len :] for q in seqs])
+
+    row_offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum([len(q.input_ids) for q in seqs], out=row_offsets[1:])
+    total = int(row_offsets[-1])
+    flat = np.fromiter(itertools.chain.from_iterable(q.input_ids for q in seqs), np.int32, count=total)
+    mask = np.fromiter(itertools.chain.from_iterable(q.loss_mask for q in seqs), np.uint8, count=total)
+    lens = np.array(
+        [(q.prompt_len, len(q.input_ids) - q.prompt_len, q.reasoning_len) for q in seqs], dtype=np.int64
+    ).reshape(-1, 3)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens)
+
+
+def build_tokens_table(
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: CompletionFormat,
+    samples: Sequence[SampleText],
+    rcfg: ReconstructConfig,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[pa.Table, dict[str, int]]:
+    """The `tokens` rows for `samples`, in order, and their token totals."""
+    multi = [i for i, s in enumerate(samples) if s.history is not None]
+    if not multi:
+        table, stats = _final_turn_rows(tokenizer, fmt, samples, rcfg, template_kwargs)
+        return table, {**stats, "multiturn_rows": 0}
+    single = [i for i, s in enumerate(samples) if s.history is None]
+    first, first_stats = _final_turn_rows(tokenizer, fmt, [samples[i] for i in single], rcfg, template_kwargs)
+    rest, rest_stats = _multiturn_rows(tokenizer, fmt, [samples[i] for i in multi], rcfg, template_kwargs)
+    at = np.empty(len(samples), dtype=np.int64)
+    at[single] = np.arange(len(single))
+    at[multi] = len(single) + np.arange(len(multi))
+    table = pa.concat_tables([first, rest]).take(pa.array(at)).combine_chunks()
+    stats = {key: first_stats[key] + rest_stats[key] for key in TOKEN_STATS}
+    return table, {**stats, "multiturn_rows": len(multi)}
 
 
 def _messages(raw: list[dict[str, Any]]) -> list[Message]:
     return [Message(role=m["role"], content=m["content"] or "") for m in raw]
+
+
+def _history(sid: str, raw: list[dict[str, Any]], messages: list[Message]) -> list[ConversationTurn]:
+    """The final request's turns before the answer; its dataset turns must be the prompt's own (same order)."""
+    turns = [
+        ConversationTurn(role=t["role"], content=t["content"] or "", reasoning=t["reasoning"], generated=t["generated"])
+        for t in raw
+    ]
+    sent = [(t["role"], t["content"]) for t in turns if not t["generated"] and t["role"] != "assistant"]
+    asked = [(m["role"], m["content"]) for m in messages if m["role"] != "assistant"]
+    if sent != asked:
+        at = next((i for i, (a, b) in enumerate(zip(sent, asked, strict=False)) if a != b), min(len(sent), len(asked)))
+        raise ReconstructionError(
+            sid,
+            f"history's dataset turns differ from the prompt's at non-assistant turn {at} "
+            f"({len(sent)} sent, {len(asked)} in the prompt)",
+        )
+    return turns
 
 
 def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleText], int]:
@@ -217,6 +334,7 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
     index = {sid: i for i, sid in enumerate(prompts.column("sample_id").to_pylist())}
     messages = prompts.column("messages").to_pylist()
     cols = {name: responses.column(name).to_pylist() for name in RESPONSE_COLUMNS if name != "prompt_ids"}
+    histories = cols["history"]
     prompt_ids = responses.column("prompt_ids")
     has_prompt_ids = prompt_ids.is_valid().to_pylist()
     chosen: dict[int, SampleText] = {}
@@ -231,14 +349,17 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
             raise ReconstructionError(sid, "response has no prompt in the prompts part with the same index")
         if at in chosen:
             raise ReconstructionError(sid, "more than one done response in this part")
+        conversation = _messages(messages[at])
+        history = histories[row]
         chosen[at] = SampleText(
             sample_id=sid,
             dataset=cols["dataset"][row],
-            messages=_messages(messages[at]),
+            messages=conversation,
             reasoning=cols["reasoning"][row],
             content=cols["content"][row],
             finish_reason=cols["finish_reason"][row],
             prompt_ids=prompt_ids[row].as_py() if has_prompt_ids[row] else None,
+            history=None if history is None else _history(sid, history, conversation),
         )
     return [chosen[i] for i in sorted(chosen)], not_done
 

@@ -10,7 +10,7 @@ from typing import Final
 
 import pyarrow as pa
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 STAGES: Final = ("prompts", "responses", "tokens", "validation", "hidden_states")
 
@@ -23,6 +23,17 @@ PROMPTS = pa.schema(
         pa.field("source_file", pa.string(), nullable=False),
         pa.field("source_row", pa.int64(), nullable=False),
         pa.field("messages", pa.list_(MESSAGE), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+    ]
+)
+
+HISTORY_TURN = pa.struct(
+    [
+        pa.field("role", pa.string(), nullable=False),
+        pa.field("content", pa.string()),
+        pa.field("reasoning", pa.string()),
+        pa.field("generated", pa.bool_(), nullable=False),
     ]
 )
 
@@ -49,6 +60,10 @@ RESPONSES = pa.schema(
         pa.field("output_ids", pa.list_(pa.int32())),
         pa.field("prompt_ids", pa.list_(pa.int32())),
         pa.field("quantization", pa.string()),
+        pa.field("failure_reason", pa.string()),
+        pa.field("request_seed", pa.int64()),
+        pa.field("billed_cost_usd", pa.float64()),
+        pa.field("history", pa.list_(HISTORY_TURN)),
     ]
 )
 

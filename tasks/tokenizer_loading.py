@@ -113,6 +113,20 @@ def tokenizer_provenance(cfg: TokenizerConfig) -> dict[str, Any]:
     }
 
 
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Role and content, plus the reasoning of the target's own earlier answers (every_turn history) under every
+    key a template may read it from, so a template that shows earlier reasoning renders what the server saw."""
+    out: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+    if message["role"] == "assistant":
+        reasoning = next((message.get(k) for k in REASONING_KEYS if message.get(k)), None)
+        if reasoning:
+            out.update({key: reasoning for key in REASONING_KEYS})
+    return out
+
+
 def render_prompt(
     tokenizer: PreTrainedTokenizerBase, messages: list[Message], template_kwargs: Mapping[str, Any] | None = None
 ) -> str:
@@ -122,7 +136,7 @@ def render_prompt(
     `reasoning_effort`): they change the generation prompt, so they must be the same here and there.
     """
     text = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
+        [_template_message(m) for m in messages],
         tokenize=False,
         add_generation_prompt=True,
         **dict(template_kwargs or {}),

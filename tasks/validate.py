@@ -7,9 +7,13 @@ Per sample, three independent checks:
   window of token strings each side); "no_reference". A reference lacking the trailing end-of-turn id still
   counts as exact.
 - structure: what the text says about the reasoning/content split, markers, finish reason and tool-call text.
+  A conversation regenerated turn by turn also has the target's earlier answers in its sequence, with loss:
+  their markers and special-token strings are checked too (`history_<code>:turn N` issues).
 - billing: billed completion tokens vs our completion length, and billed reasoning tokens vs ours (the
   reasoning section's tokens other than the format's control tokens); delta tokens and fraction of ours.
   A row beyond `validation.billing_tolerance_frac` on either is flagged.
+Reference and billing are about the final request: its completion is the tokens row from `prompt_len` on,
+whether the context before it is a prompt or a whole regenerated conversation.
 
 Per dataset (`summarize_validation`): rates, billing aggregates and a breakdown by serving provider and
 quantization; a dataset served by more than one of them is flagged (`mixed_serving`): providers differ in
@@ -19,9 +23,9 @@ Gates (`gate_violations`) turn the summary into a pass/fail decision, after the 
 Verdict policy (a "fail" sample is excluded from extraction when `extract.skip_failed_validation`):
 - fail: a real_difference, or an issue that corrupts the training sequence: the close/open tag or another
   think marker inside reasoning or content (the split between them is wrong), a special-token string inside
-  the text (it encodes to a control id the model did not emit as text), a finish_reason outside
-  `validation.allowed_finish_reasons` (the sequence is not a complete turn), or ids that do not decode back
-  to the completion text (`roundtrip_mismatch`).
+  the text (it encodes to a control id the model did not emit as text), in the final answer or an earlier
+  regenerated one (`history_*`), a finish_reason outside `validation.allowed_finish_reasons` (the sequence
+  is not a complete turn), or ids that do not decode back to the completion text (`roundtrip_mismatch`).
 - warn: a bpe_artifact, empty reasoning (format has reasoning) or empty content, malformed tool-call text (it
   is still what the model wrote), or a billing delta beyond `validation.billing_tolerance_frac`.
 - pass: everything else.
@@ -30,6 +34,7 @@ Verdict policy (a "fail" sample is excluded from extraction when `extract.skip_f
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,7 +58,7 @@ from tasks.shards import PartRef, done_parts, read_marker, read_part, write_part
 from tasks.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
 from tasks.tokenizer_loading import load_tokenizer, tokenizer_provenance
 
-FAIL_ISSUES = frozenset(
+TEXT_FAIL_ISSUES = frozenset(
     {
         "close_tag_in_content",
         "close_tag_in_reasoning",
@@ -63,10 +68,9 @@ FAIL_ISSUES = frozenset(
         "think_marker_in_reasoning",
         "special_token_in_content",
         "special_token_in_reasoning",
-        "finish_reason",
-        "roundtrip_mismatch",
     }
 )
+FAIL_ISSUES = TEXT_FAIL_ISSUES | {"finish_reason", "roundtrip_mismatch"} | {f"history_{c}" for c in TEXT_FAIL_ISSUES}
 WARN_ISSUES = frozenset({"empty_reasoning", "empty_content", "tool_call_unclosed", "tool_call_invalid_json"})
 THINK_MARKERS = tuple(tag for pair in KNOWN_REASONING_TAGS for tag in pair)
 DIVERGENCE_WINDOW = 3
@@ -82,6 +86,7 @@ RESPONSE_COLUMNS = [
     "provider",
     "quantization",
     "output_ids",
+    "history",
 ]
 
 
@@ -141,6 +146,26 @@ def text_issues(
     return issues
 
 
+def _trie_pattern(strings: set[str]) -> str:
+    """A regex matching any of `strings`, longest first, that branches one character at a time: an alternation
+    of a thousand added tokens would try every one at each `<` of code or HTML text."""
+    trie: dict[str, Any] = {}
+    for text in strings:
+        node = trie
+        for ch in text:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        branches = [re.escape(ch) + emit(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{body})?" if "" in node else body
+
+    return emit(trie)
+
+
 @dataclass(frozen=True)
 class ControlIds:
     """The tokenizer's added-token ids, and the ones a completion of this format legitimately contains.
@@ -155,6 +180,7 @@ class ControlIds:
     close_ids: tuple[int, ...]
     end_of_turn_id: int
     format_ids: np.ndarray
+    added_pattern: re.Pattern[str]
 
     @classmethod
     def build(cls, backend: TokenBackend, fmt: CompletionFormat) -> ControlIds:
@@ -170,7 +196,9 @@ class ControlIds:
         open_ids, close_ids = ids_of(fmt.reasoning_open), ids_of(fmt.reasoning_close)
         format_ids = np.asarray(sorted({*open_ids, *close_ids, eot}), dtype=np.int64)
         added = backend.added
-        return cls(added, np.fromiter(added, np.int64, count=len(added)), open_ids, close_ids, eot, format_ids)
+        pattern = re.compile(_trie_pattern({s for s in added.values() if s}) or "(?!)")
+        ids_array = np.fromiter(added, np.int64, count=len(added))
+        return cls(added, ids_array, open_ids, close_ids, eot, format_ids, pattern)
 
 
 def special_token_issues(
@@ -199,6 +227,28 @@ def special_token_issues(
         if where == "reasoning":
             found -= expected
         issues += [f"special_token_in_{where}:{ids.added[t]}" for t in sorted(found) if ids.added[t] not in tags]
+    return issues
+
+
+def history_issues(fmt: CompletionFormat, history: Sequence[dict[str, Any]] | None, ids: ControlIds) -> list[str]:
+    """Marker and special-token issues in the target's earlier answers of a turn-by-turn conversation.
+
+    Those answers carry loss like the final one, so the same text corrupts the sequence there; found by text
+    (the tokens row has no per-turn spans), each named `history_<code>:turn N` plus the code's own detail.
+    """
+    tags = {*fmt.special_tokens(), *THINK_MARKERS}
+    issues = []
+    for turn, message in enumerate(history or ()):
+        if not message["generated"]:
+            continue
+        reasoning, content = normalized_parts(fmt, message["reasoning"], message["content"])
+        for where, text in (("reasoning", reasoning), ("content", content)):
+            found = _marker_issues(fmt, text, where)
+            specials = dict.fromkeys(ids.added_pattern.findall(text))
+            found += [f"special_token_in_{where}:{token}" for token in specials if token not in tags]
+            for issue in found:
+                code, _, detail = issue.partition(":")
+                issues.append(f"history_{code}:turn {turn}" + (f" {detail}" if detail else ""))
     return issues
 
 
@@ -289,6 +339,7 @@ def validate_tables(
         layout = completion_layout(fmt, reasoning, content, truncated=finish == "length")
         issues = text_issues(fmt, reasoning, content, finish, vcfg.allowed_finish_reasons)
         issues += special_token_issues(fmt, completions[i], reasoning_lens[i], layout, control)
+        issues += history_issues(fmt, resp["history"][r], control)
         if decoded[i] != layout.text:
             issues.append("roundtrip_mismatch")
         reference = output_ids[r].as_py() if has_output[r] else None

@@ -18,6 +18,8 @@ ROW = {
     "source_file": "f",
     "source_row": 0,
     "messages": [{"role": "user", "content": "hi"}],
+    "prompt_id": "a",
+    "sample_index": 0,
 }
 
 

@@ -85,6 +85,8 @@ def write_prompts(run_dir: Path, part: int, n: int, tag: str) -> list[dict[str, 
                 "source_file": "prompts.jsonl",
                 "source_row": i,
                 "messages": messages,
+                "prompt_id": sample_id("ds", messages),  # type: ignore[arg-type]
+                "sample_index": 0,
             }
         )
     write_part(PartRef(run_dir, "prompts", part), pa.Table.from_pylist(rows, schema=PROMPTS), provenance={})
@@ -221,7 +223,7 @@ def test_400_fails_the_sample_without_retry_and_rerun_retries_only_failures(
     cfg = make_cfg(tmp_path, sim, tokenizer_dir)
     first = generate_parts(cfg, refs(tmp_path, 2), MARKERS).to_dict()["total"]
     assert first["failed"] > 0 and first["done"] > 0
-    assert first["failures_by_reason"] == {"http_400": first["failed"]}
+    assert first["failures_by_reason"] == {"context_length": first["failed"]}
     stats = sim.stats()["by_key"]
     failed_keys: set[str] = set()
     for part in rows:

@@ -71,6 +71,8 @@ def write_inputs(run_dir: Path, part: int, conversations: list[list[Message]], r
             "source_file": "in.jsonl",
             "source_row": i,
             "messages": [dict(m) for m in conv],
+            "prompt_id": sample_id(DATASET, prompt_messages(conv)),
+            "sample_index": 0,
         }
         for i, conv in enumerate(conversations)
     ]

@@ -7,6 +7,7 @@ exact prompt ids and returns the sampled `output_ids`, which are the ground trut
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,9 @@ class EndpointRequest:
 
 @dataclass
 class GenerationResult:
+    """One answer as the endpoint reported it; `cost_usd` is what this attempt was billed (usage.cost or the
+    price table), `billed_cost_usd` what OpenRouter's generation record says afterwards (reconciliation)."""
+
     reasoning: str | None
     content: str | None
     finish_reason: str | None
@@ -57,6 +61,8 @@ class GenerationResult:
     generation_id: str | None
     output_ids: list[int] | None
     prompt_ids: list[int] | None
+    quantization: str | None = None
+    billed_cost_usd: float | None = None
 
 
 def endpoint_url(cfg: PipelineConfig) -> str:
@@ -67,22 +73,42 @@ def endpoint_url(cfg: PipelineConfig) -> str:
     return base.removesuffix("/v1") + GENERATE_PATH
 
 
+def generation_lookup_url(cfg: PipelineConfig, generation_id: str) -> str:
+    """OpenRouter's per-generation billing record: GET {base}/v1/generation?id= (base .../api for OpenRouter)."""
+    base = cfg.endpoint.base_url
+    base = base if base.endswith("/v1") else base + "/v1"
+    return f"{base}/generation?id={generation_id}"
+
+
+def request_seed(cfg: PipelineConfig, sample_index: int) -> int | None:
+    """Sample k of a prompt is sent seed + k, so the samples differ and each is reproducible."""
+    return None if cfg.sampling.seed is None else cfg.sampling.seed + sample_index
+
+
 def build_request(
-    cfg: PipelineConfig, messages: list[Message], tokenizer: PreTrainedTokenizerBase | None = None
+    cfg: PipelineConfig,
+    messages: list[Message] | list[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    sample_index: int = 0,
 ) -> EndpointRequest:
+    """The request for the `sample_index`-th response to these messages (its seed is `request_seed`)."""
     sampling = cfg.sampling
+    seed = request_seed(cfg, sample_index)
     url = endpoint_url(cfg)
     if cfg.endpoint.kind == "openai_chat":
         payload: dict[str, Any] = {
             "model": cfg.endpoint.model,
-            "messages": [dict(m) for m in messages],
+            "messages": [_wire_message(m) for m in messages],
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_tokens,
             "usage": {"include": True},
         }
-        if sampling.seed is not None:
-            payload["seed"] = sampling.seed
+        if cfg.endpoint.stream:
+            payload["stream"] = True
+            payload["stream_options"] = {"include_usage": True}
+        if seed is not None:
+            payload["seed"] = seed
         if sampling.stop:
             payload["stop"] = list(sampling.stop)
         if cfg.endpoint.provider_routing:
@@ -94,7 +120,7 @@ def build_request(
         return EndpointRequest(url, payload, None)
     if tokenizer is None:
         raise ConfigError("endpoint.kind 'sglang_generate' needs the tokenizer to render prompt ids")
-    prompt_ids = render_prompt_ids(tokenizer, messages, cfg.tokenizer.chat_template_kwargs)
+    prompt_ids = render_prompt_ids(tokenizer, messages, cfg.tokenizer.chat_template_kwargs)  # type: ignore[arg-type]
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -103,9 +129,28 @@ def build_request(
     }
     if sampling.stop:
         params["stop"] = list(sampling.stop)
-    if sampling.seed is not None:
-        params["sampling_seed"] = sampling.seed
+    if seed is not None:
+        params["sampling_seed"] = seed
     return EndpointRequest(url, {"input_ids": prompt_ids, "sampling_params": params}, prompt_ids)
+
+
+def _wire_message(message: Message | dict[str, Any]) -> dict[str, Any]:
+    """Role and content, plus `reasoning` for the target's own earlier answers (every_turn history): OpenRouter
+    passes it back to reasoning models, and servers that do not know the field ignore it."""
+    out: dict[str, Any] = {"role": message["role"], "content": message["content"]}
+    reasoning = message.get("reasoning")
+    if message["role"] == "assistant" and reasoning:
+        out["reasoning"] = reasoning
+    return out
+
+
+def pinned_quantization(cfg: PipelineConfig) -> str | None:
+    """The quantization a request is pinned to (OpenRouter `provider.quantizations` naming exactly one)."""
+    routing = cfg.endpoint.provider_routing or {}
+    quants = routing.get("quantizations")
+    if isinstance(quants, list) and len(quants) == 1 and isinstance(quants[0], str):
+        return quants[0]
+    return None
 
 
 def price_cost(cfg: PipelineConfig, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
@@ -183,7 +228,83 @@ def _parse_chat(cfg: PipelineConfig, body: dict[str, Any]) -> GenerationResult:
         generation_id=_opt_str(body.get("id"), "id"),
         output_ids=None,
         prompt_ids=None,
+        quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
     )
+
+
+class StreamAssembler:
+    """Folds OpenAI-style SSE chunks into the body a non-streaming call would have returned.
+
+    OpenRouter interleaves `: OPENROUTER PROCESSING` comment lines, may send usage in the finish chunk or in a
+    separate last chunk with no choices, and reports a mid-stream failure as a chunk with an `error` object.
+    A stream that ends without a finish_reason is truncated, whatever else arrived.
+    """
+
+    def __init__(self) -> None:
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.meta: dict[str, Any] = {}
+        self.error: Any = None
+        self.done = False
+
+    def feed_line(self, line: str) -> None:
+        """One line of the event stream (without its newline)."""
+        if not line or line.startswith(":"):
+            return
+        field, _, value = line.partition(":")
+        if field != "data":
+            return
+        value = value.removeprefix(" ")
+        if value == "[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(value)
+        except ValueError as exc:
+            raise MalformedResponseError(f"stream chunk is not JSON: {value[:200]!r}") from exc
+        if not isinstance(chunk, dict):
+            raise MalformedResponseError(f"stream chunk is a JSON {type(chunk).__name__}, expected an object")
+        self._feed(chunk)
+
+    def _feed(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("error"):
+            self.error = chunk["error"]
+        for key in ("id", "provider", "model", "quantization"):
+            if chunk.get(key) is not None:
+                self.meta.setdefault(key, chunk[key])
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                piece = delta.get("reasoning")
+                if piece is None:
+                    piece = delta.get("reasoning_content")
+                if isinstance(piece, str):
+                    self.reasoning.append(piece)
+                if isinstance(delta.get("content"), str):
+                    self.content.append(delta["content"])
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+
+    def body(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.reasoning:
+            message["reasoning"] = "".join(self.reasoning)
+        body: dict[str, Any] = {
+            **self.meta,
+            "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}],
+        }
+        if self.usage is not None:
+            body["usage"] = self.usage
+        return body
 
 
 def split_completion(text: str, markers: CompletionMarkers) -> tuple[str | None, str]:

@@ -27,9 +27,11 @@ import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
 from tasks.config import PipelineConfig
-from tasks.generate.client import EndpointClient, SampleOutcome
-from tasks.generate.endpoints import CompletionMarkers, GenerationResult
+from tasks.generate.client import Budget, EndpointClient, SampleOutcome
+from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
+from tasks.generate.progress import Listener, ProgressSnapshot, emit
 from tasks.messages import prompt_messages
+from tasks.multiturn import ConversationTurn, template_messages
 from tasks.schemas import RESPONSES
 from tasks.shards import (
     PartRef,
@@ -58,6 +60,8 @@ RESULT_FIELDS = (
     "generation_id",
     "output_ids",
     "prompt_ids",
+    "quantization",
+    "billed_cost_usd",
 )
 
 
@@ -83,7 +87,14 @@ class PartSummary:
 
 @dataclass
 class GenerateSummary:
+    """`stopped` is "budget" when the cost cap ended the run early: unsent samples have no row yet, their parts
+    stay unfinished (chunks only), and a rerun with a higher cap continues exactly there."""
+
     parts: list[PartSummary] = field(default_factory=list)
+    stopped: str | None = None
+    spent_usd: float = 0.0
+    peak_in_flight: int = 0
+    window_shrinks: int = 0
 
     def total(self) -> dict[str, Any]:
         reasons: Counter[str] = Counter()
@@ -103,6 +114,10 @@ class GenerateSummary:
             "cost_usd": sum(p.cost_usd for p in self.parts),
             "prompt_tokens": sum(p.prompt_tokens for p in self.parts),
             "completion_tokens": sum(p.completion_tokens for p in self.parts),
+            "stopped": self.stopped,
+            "run_dir_spent_usd": self.spent_usd,
+            "peak_in_flight": self.peak_in_flight,
+            "window_shrinks": self.window_shrinks,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +129,7 @@ class _WorkItem:
     sample_id: str
     dataset: str
     messages: list[dict[str, Any]]
+    sample_index: int
 
 
 @dataclass
@@ -134,6 +150,13 @@ class _PartState:
     @property
     def chunk_dir(self) -> Path:
         return chunk_dir(self.out)
+
+
+@dataclass
+class _Answer:
+    outcome: SampleOutcome
+    seed: int | None
+    history: list[dict[str, Any]] | None = None
 
 
 def chunk_dir(out: PartRef) -> Path:
@@ -166,10 +189,11 @@ def _chunk_index(path: Path) -> int:
 
 def _load_part(prompts: PartRef) -> _PartState:
     out = prompts.with_stage(STAGE)
-    table = read_part(prompts, columns=["sample_id", "dataset", "messages"])
+    table = read_part(prompts, columns=["sample_id", "dataset", "messages", "sample_index"])
     items: dict[str, _WorkItem] = {}
     for rec in table.to_pylist():
-        items.setdefault(rec["sample_id"], _WorkItem(rec["sample_id"], rec["dataset"], rec["messages"]))
+        item = _WorkItem(rec["sample_id"], rec["dataset"], rec["messages"], rec["sample_index"])
+        items.setdefault(rec["sample_id"], item)
     rows: dict[str, dict[str, Any]] = {}
     was_done = out.is_done()
     if was_done:
@@ -238,41 +262,94 @@ class _Run:
         self.uncommitted = 0
         self.complete_parts = 0
         self.last_commit = time.monotonic()
+        self.started = time.monotonic()
+        self.total = sum(len(s.todo) for s in states)
         self._write_lock = asyncio.Lock()
 
     def work(self) -> Iterator[tuple[_PartState, _WorkItem]]:
         for state in self.states:
             for item in state.todo:
+                if self.client.budget.stopped:
+                    return
                 yield state, item
 
-    async def process(self, state: _PartState, item: _WorkItem) -> tuple[_PartState, _WorkItem, SampleOutcome]:
+    async def process(self, state: _PartState, item: _WorkItem) -> tuple[_PartState, _WorkItem, _Answer]:
+        seed = request_seed(self.cfg, item.sample_index)
+        if self.cfg.sampling.regenerate == "every_turn":
+            return state, item, await self._every_turn(item, seed)
         messages = prompt_messages(item.messages)
         if not any(m["role"] == "user" for m in messages):
-            return state, item, SampleOutcome(None, "empty_prompt", "prompt has no user turn", 0, None)
-        return state, item, await self.client.generate(messages)
+            return state, item, _Answer(SampleOutcome(None, "empty_prompt", "prompt has no user turn", 0, None), seed)
+        return state, item, _Answer(await self.client.generate(messages, item.sample_index), seed)
 
-    def record(self, state: _PartState, item: _WorkItem, outcome: SampleOutcome) -> None:
+    async def _every_turn(self, item: _WorkItem, seed: int | None) -> _Answer:
+        """Answer each user turn in order, feeding the target's own answers back as history; the dataset's
+        assistant turns are dropped. The row holds the final turn and, in `history`, what the last request sent."""
+        msgs = item.messages
+        answer_at = [
+            i
+            for i, m in enumerate(msgs)
+            if m["role"] == "user" and (i + 1 == len(msgs) or msgs[i + 1]["role"] == "assistant")
+        ]
+        if not answer_at:
+            return _Answer(SampleOutcome(None, "empty_prompt", "prompt has no user turn", 0, None), seed)
+        turns: list[ConversationTurn] = []
+        attempts, cost, retries = 0, 0.0, []
+        taken = 0
+        outcome: SampleOutcome | None = None
+        for turn_no, at in enumerate(answer_at):
+            for m in msgs[taken : at + 1]:
+                if m["role"] != "assistant":
+                    turns.append(ConversationTurn(role=m["role"], content=m["content"] or "", generated=False))
+            taken = at + 1
+            outcome = await self.client.generate(template_messages(turns), item.sample_index)
+            attempts += outcome.attempts
+            cost += outcome.cost_usd
+            retries += outcome.retry_reasons
+            res = outcome.result
+            if res is None:
+                outcome.error = f"turn {turn_no + 1} of {len(answer_at)}: {outcome.error}"
+                break
+            if turn_no + 1 < len(answer_at) and res.finish_reason == "length":
+                error = f"turn {turn_no + 1} of {len(answer_at)}: {_length_error(res, self.cfg.sampling.max_tokens)}"
+                outcome = SampleOutcome(None, "length", error, outcome.attempts, None, [], outcome.cost_usd)
+                break
+            if turn_no + 1 < len(answer_at):
+                turn = ConversationTurn(role="assistant", content=res.content or "", reasoning=res.reasoning)
+                turn["generated"] = True
+                turns.append(turn)
+        assert outcome is not None
+        outcome.attempts, outcome.cost_usd, outcome.retry_reasons = attempts, cost, retries
+        return _Answer(outcome, seed, [dict(t) for t in turns])
+
+    def record(self, state: _PartState, item: _WorkItem, answer: _Answer) -> None:
+        outcome = answer.outcome
         summary = state.summary
         summary.requests_sent += outcome.attempts
         for retry in outcome.retry_reasons:
             summary.retries_by_reason[retry] = summary.retries_by_reason.get(retry, 0) + 1
+        summary.cost_usd += outcome.cost_usd
+        if outcome.budget_stopped:
+            return
         row = _empty_row(item.sample_id, item.dataset)
-        row.update(attempts=outcome.attempts, latency_s=outcome.latency_s)
+        row.update(attempts=outcome.attempts, latency_s=outcome.latency_s, request_seed=answer.seed)
         reason, error = outcome.reason, outcome.error
         result = outcome.result
         if result is not None:
             row.update({name: getattr(result, name) for name in RESULT_FIELDS})
-            summary.cost_usd += result.cost_usd or 0.0
             summary.prompt_tokens += result.prompt_tokens or 0
             summary.completion_tokens += result.completion_tokens or 0
+            if answer.history is not None:
+                row["history"] = answer.history
             if result.finish_reason == "length" and not self.cfg.endpoint.keep_length_truncated:
                 reason = "length"
                 error = _length_error(result, self.cfg.sampling.max_tokens)
+        row["cost_usd"] = outcome.cost_usd if (result is not None or outcome.cost_usd) else None
         if reason is None:
             row["status"] = "done"
             summary.done += 1
         else:
-            row.update(status="failed", error=error)
+            row.update(status="failed", error=self.client.redact(error or reason), failure_reason=reason)
             summary.failed += 1
             summary.failures_by_reason[reason] = summary.failures_by_reason.get(reason, 0) + 1
         _merge(state.rows, row)
@@ -280,6 +357,31 @@ class _Run:
         state.outstanding -= 1
         self.complete_parts += state.outstanding == 0
         self.uncommitted += 1
+
+    def snapshot(self, final: bool = False) -> ProgressSnapshot:
+        reasons: Counter[str] = Counter()
+        for st in self.states:
+            reasons.update(st.summary.failures_by_reason)
+        budget, window = self.client.budget, self.client.window
+        return ProgressSnapshot(
+            elapsed_s=time.monotonic() - self.started,
+            total=self.total,
+            done=sum(st.summary.done for st in self.states),
+            failed=sum(st.summary.failed for st in self.states),
+            in_flight=window.in_flight,
+            window=int(window.limit),
+            requests_sent=self.client.requests_sent,
+            retries=sum(sum(st.summary.retries_by_reason.values()) for st in self.states),
+            prompt_tokens=sum(st.summary.prompt_tokens for st in self.states),
+            completion_tokens=sum(st.summary.completion_tokens for st in self.states),
+            cost_usd=budget.spent_usd - budget.prior_usd,
+            prior_cost_usd=budget.prior_usd,
+            reserved_usd=budget.reserved_usd,
+            max_cost_usd=budget.cap_usd,
+            budget_stopped=budget.stopped,
+            final=final,
+            failures_by_reason=dict(reasons),
+        )
 
     def commit_due(self) -> bool:
         if self.uncommitted == 0:
@@ -329,17 +431,27 @@ def _length_error(result: GenerationResult, max_tokens: int) -> str:
     )
 
 
+async def _report_progress(run: _Run, listeners: list[Listener] | None, every_s: float) -> None:
+    """Snapshots on a worker thread: a slow listener (an artifact upload) must never stall the window."""
+    while True:
+        await asyncio.sleep(every_s)
+        await asyncio.to_thread(emit, run.snapshot(), listeners)
+
+
 async def _generate_async(
     cfg: PipelineConfig,
     states: list[_PartState],
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None,
-) -> None:
+    budget: Budget,
+    listeners: list[Listener] | None,
+) -> _Run:
     window = 2 * cfg.endpoint.max_in_flight
-    async with EndpointClient(cfg, markers, tokenizer) as client:
+    async with EndpointClient(cfg, markers, tokenizer, budget=budget) as client:
         run = _Run(cfg, states, client)
+        reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
         work = run.work()
-        running: set[asyncio.Task[tuple[_PartState, _WorkItem, SampleOutcome]]] = set()
+        running: set[asyncio.Task[tuple[_PartState, _WorkItem, _Answer]]] = set()
         exhausted = False
         try:
             while True:
@@ -371,17 +483,26 @@ async def _generate_async(
             await asyncio.gather(*running, return_exceptions=True)
             run.commit_now()
             raise
+        finally:
+            reporter.cancel()
+            await asyncio.gather(reporter, return_exceptions=True)
+            emit(run.snapshot(final=True), listeners)
+        return run
 
 
-def _run_blocking(coro: Coroutine[Any, Any, None]) -> None:
+def _run_blocking(coro: Coroutine[Any, Any, _Run]) -> _Run:
     """`asyncio.run`, or the same on a worker thread when the caller already runs an event loop."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        asyncio.run(coro)
-        return
+        return asyncio.run(coro)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate") as pool:
-        pool.submit(asyncio.run, coro).result()
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _spent_usd(states: list[_PartState]) -> float:
+    """What the committed rows of these parts cost (done and failed attempts alike): the budget's start."""
+    return sum(row.get("cost_usd") or 0.0 for state in states for row in state.rows.values())
 
 
 def generate_parts(
@@ -389,11 +510,13 @@ def generate_parts(
     prompt_refs: list[PartRef],
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    listeners: list[Listener] | None = None,
 ) -> GenerateSummary:
     """Generate responses for `prompt_refs` (prompts parts); resumes from finished parts and committed chunks.
 
     A part that already has a "done" row for every sample sends nothing. Raises `FatalEndpointError` (after
-    committing every finished result) when the endpoint refuses the whole run.
+    committing every finished result) when the endpoint refuses the whole run. With `endpoint.max_cost_usd`,
+    the spend already recorded in these parts counts against the cap; reaching it returns `stopped="budget"`.
     """
     states = [_load_part(ref) for ref in prompt_refs]
     provenance = cfg.provenance()
@@ -402,9 +525,15 @@ def generate_parts(
             _finalize(state, provenance)
         elif not state.todo:
             state.finalized = True
+    budget = Budget(cfg.endpoint.max_cost_usd, _spent_usd(states))
+    summary = GenerateSummary(parts=[s.summary for s in states], spent_usd=budget.spent_usd)
     pending = [s for s in states if not s.finalized]
     if pending:
         if cfg.endpoint.kind == "sglang_generate" and tokenizer is None:
             tokenizer = load_tokenizer(cfg.tokenizer)
-        _run_blocking(_generate_async(cfg, pending, markers, tokenizer))
-    return GenerateSummary(parts=[s.summary for s in states])
+        run = _run_blocking(_generate_async(cfg, pending, markers, tokenizer, budget, listeners))
+        summary.peak_in_flight = run.client.window.peak_in_flight
+        summary.window_shrinks = run.client.window.shrinks
+    summary.spent_usd = budget.spent_usd
+    summary.stopped = "budget" if budget.stopped and any(s.outstanding for s in states) else None
+    return summary

@@ -1,0 +1,261 @@
+"""Plumbing shared by the generate-stage benchmarks: the endpoint simulator and each client in their own process.
+
+Why separate processes: client and simulator are both asyncio + aiohttp in CPython; sharing one interpreter
+would make them share one GIL, so the benchmark would measure their contention, not the client. A fresh child
+process per client measurement also makes CPU time (`getrusage`) and peak RSS (`ru_maxrss`) belong to exactly
+one client, with no pools, caches or heap growth carried over from the previous measurement.
+
+Children report one JSON object as the last line of their stdout; their human-readable lines go to stderr.
+Linux only (CPU time of the simulator is read from /proc). Everything listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig  # noqa: E402
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+MIB = 1024**2
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def raise_open_files(needed: int) -> int:
+    """Soft RLIMIT_NOFILE up to `needed` (capped by the hard limit); children inherit it. Returns the new soft."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return target
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def self_peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> float:
+    """Reset this process's RSS high-water mark (VmHWM) so imports do not hide the measurement's own peak.
+
+    Returns the current RSS in MiB, the baseline the measurement starts from.
+    """
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") / 1024
+
+
+def peak_rss_since_reset_mib() -> float:
+    return _status_kib("VmHWM") / 1024
+
+
+class GcTimer:
+    """Wall time spent in the cyclic garbage collector while active: with tens of thousands of live tasks,
+    futures and buffers, full collections become a visible share of a client's CPU."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+class SimProcess:
+    """`python -m endpoint_sim` as a child process on 127.0.0.1, bound to a free port it reports back.
+
+    Its state lives in the other process, so it is read through the simulator's HTTP routes (`/_sim/stats`).
+    """
+
+    def __init__(self, model_dir: Path, config: dict[str, Any], work_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.config = config
+        self.work_dir = work_dir
+        self.log_path = work_dir / "endpoint_sim.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("simulator is not running")
+        return self._proc.pid
+
+    @property
+    def base_url(self) -> str:
+        if self._port is None:
+            raise RuntimeError("simulator is not running")
+        return f"http://{HOST}:{self._port}"
+
+    def start(self) -> SimProcess:
+        config_path = self.work_dir / "sim_config.json"
+        config_path.write_text(json.dumps(self.config))
+        port_file = self.work_dir / "sim_port"
+        port_file.unlink(missing_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "endpoint_sim",
+            "--model-dir",
+            str(self.model_dir),
+            "--host",
+            HOST,
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--config-json",
+            str(config_path),
+        ]
+        with self.log_path.open("ab") as out:
+            self._proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            self._port = self._wait_for_port(self._proc, port_file)
+            self.request("GET", "/health")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_for_port(self, proc: subprocess.Popen[bytes], port_file: Path) -> int:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            text = port_file.read_text().strip() if port_file.exists() else ""
+            if text:
+                return int(text)
+            if proc.poll() is not None:
+                raise RuntimeError(f"simulator exited with {proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"simulator wrote no port within {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def log_tail(self, chars: int = 2000) -> str:
+        """The end of the simulator's output (its log lives in a scratch directory that is about to go)."""
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        proc, self._proc, self._port = self._proc, None, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> SimProcess:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"simulator {method} {path}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.request("GET", "/_sim/stats?keys=0")
+        return out
+
+    def cpu_s(self) -> float:
+        return process_cpu_s(self.pid)
+
+
+def run_child(script: Path, args: list[str], timeout_s: float) -> dict[str, Any]:
+    """Run `python script args...` in a fresh process; its last stdout line is its JSON result."""
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        timeout=timeout_s,
+        check=False,
+    )
+    lines = proc.stdout.decode().strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{script.name} {' '.join(args[:2])}: child exited with {proc.returncode}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The one machine-readable line a benchmark (or a child) prints on stdout."""
+    print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def tokenizer_dir(root: Path) -> Path:
+    from endpoint_sim.assets import write_tokenizer_dir
+
+    return write_tokenizer_dir(root / "tokenizer")
+
+
+def pipeline_config(run_dir: Path, base_url: str, model_dir: Path, **endpoint: Any) -> PipelineConfig:
+    """An openai_chat `PipelineConfig` aimed at the simulator; `endpoint` overrides EndpointConfig fields."""
+    return PipelineConfig(
+        run_dir=run_dir,
+        datasets=[DatasetConfig(name="bench", path=model_dir)],
+        endpoint=EndpointConfig(
+            **{"kind": "openai_chat", "base_url": base_url, "model": "sim/deepseek-v4-sim", **endpoint}
+        ),
+        tokenizer=TokenizerConfig(path=model_dir),
+    )

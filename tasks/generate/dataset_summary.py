@@ -1,0 +1,155 @@
+"""Per-dataset overview of a run directory's `responses`: counts, failure reasons, tokens, spend, providers.
+
+It reads what is on disk, not what one run did, so it is right after a crash, a budget stop or several
+resumed runs: finished parts, plus the committed chunks of parts still in progress (merged as the engine
+merges them on resume). Samples of a prompts part with no row yet count as pending.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from tasks.generate.progress import format_counts
+from tasks.schemas import RESPONSES
+from tasks.shards import PartRef, check_schema, part_name, read_part
+
+STAGE = "responses"
+# The engine's layout for uncommitted work: <run_dir>/responses/_chunks/part-NNNNN/chunk-NNNNNN.parquet.
+CHUNKS_DIR = "_chunks"
+COLUMNS = [
+    "sample_id",
+    "dataset",
+    "status",
+    "failure_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost_usd",
+    "billed_cost_usd",
+    "provider",
+    "quantization",
+]
+
+
+@dataclass
+class _Totals:
+    samples: int = 0
+    done: int = 0
+    failed: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost_usd: float = 0.0
+    billed_cost_usd: float | None = None
+    providers: Counter[str] = field(default_factory=Counter)
+    quantizations: Counter[str] = field(default_factory=Counter)
+
+    def add(self, row: dict[str, Any]) -> None:
+        if row["status"] == "done":
+            self.done += 1
+        else:
+            self.failed += 1
+            self.reasons[row["failure_reason"] or "unknown"] += 1
+        self.prompt_tokens += row["prompt_tokens"] or 0
+        self.completion_tokens += row["completion_tokens"] or 0
+        self.reasoning_tokens += row["reasoning_tokens"] or 0
+        self.cost_usd += row["cost_usd"] or 0.0
+        if row["billed_cost_usd"] is not None:
+            self.billed_cost_usd = (self.billed_cost_usd or 0.0) + row["billed_cost_usd"]
+        if row["provider"]:
+            self.providers[row["provider"]] += 1
+        if row["quantization"]:
+            self.quantizations[row["quantization"]] += 1
+
+    def row(self, dataset: str) -> dict[str, Any]:
+        return {
+            "dataset": dataset,
+            "samples": self.samples,
+            "done": self.done,
+            "failed": self.failed,
+            "pending": self.samples - self.done - self.failed,
+            "failures": format_counts(self.reasons),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+            "cost_usd": round(self.cost_usd, 6),
+            "billed_cost_usd": None if self.billed_cost_usd is None else round(self.billed_cost_usd, 6),
+            "providers": format_mix(self.providers),
+            "quantizations": format_mix(self.quantizations),
+        }
+
+
+def format_mix(counts: Counter[str]) -> str:
+    """`A 62%, B 38%`: the share of rows each value served."""
+    total = sum(counts.values())
+    if not total:
+        return "-"
+    return ", ".join(
+        f"{name} {100 * n / total:.0f}%" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    )
+
+
+def chunk_paths(run_dir: Path, part: int) -> list[Path]:
+    """Committed chunks in write order; later ones hold later attempts."""
+    cdir = run_dir / STAGE / CHUNKS_DIR / part_name(part)
+    if not cdir.is_dir():
+        return []
+    return sorted(cdir.glob("chunk-*.parquet"), key=lambda p: int(p.stem.split("-", 1)[1]))
+
+
+def _merge(rows: dict[str, dict[str, Any]], row: dict[str, Any]) -> None:
+    existing = rows.get(row["sample_id"])
+    if existing is None or existing["status"] != "done":
+        rows[row["sample_id"]] = row
+
+
+def _chunk_rows(run_dir: Path, part: int) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for path in chunk_paths(run_dir, part):
+        check_schema(path, RESPONSES, STAGE)
+        for row in pq.read_table(path, columns=COLUMNS).to_pylist():
+            _merge(rows, row)
+    return rows
+
+
+def _part_rows(run_dir: Path, part: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """(response rows, pending sample_id -> dataset) of one part, finished or not.
+
+    Chunk rows of samples no longer in the prompts part are ignored, as the engine ignores them. A part being
+    finalized while we read loses its chunks; reading once more then finds the finished part.
+    """
+    ref = PartRef(run_dir, STAGE, part)
+    for _ in range(2):
+        if ref.is_done():
+            return read_part(ref, columns=COLUMNS).to_pylist(), {}
+        try:
+            rows = _chunk_rows(run_dir, part)
+        except FileNotFoundError:
+            continue
+        prompts = ref.with_stage("prompts")
+        if not prompts.is_done():
+            return list(rows.values()), {}
+        wanted = {r["sample_id"]: r["dataset"] for r in read_part(prompts, ["sample_id", "dataset"]).to_pylist()}
+        pending = {sid: dataset for sid, dataset in wanted.items() if sid not in rows}
+        return [row for sid, row in rows.items() if sid in wanted], pending
+    return read_part(ref, columns=COLUMNS).to_pylist(), {}
+
+
+def dataset_rows(run_dir: Path, parts: list[int]) -> list[dict[str, Any]]:
+    """One row per dataset (sorted by name) over the given parts."""
+    totals: dict[str, _Totals] = {}
+    for part in parts:
+        rows, pending = _part_rows(run_dir, part)
+        for row in rows:
+            t = totals.setdefault(row["dataset"], _Totals())
+            t.samples += 1
+            t.add(row)
+        for dataset in pending.values():
+            totals.setdefault(dataset, _Totals()).samples += 1
+    return [totals[name].row(name) for name in sorted(totals)]

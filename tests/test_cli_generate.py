@@ -1,0 +1,127 @@
+"""`eagle3-datagen generate` as a real subprocess against the simulator: exit codes, the per-dataset table, the
+JSON total, the non-terminal status line, no Prefect import, and an API key that never reaches the output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from endpoint_sim.server import SimConfig, SimulatorServer
+from tests.conftest import DEMO_DATA, REPO
+
+API_KEY = "sk-test-5f1c9e0a7b3d-must-never-be-printed"
+SAMPLES = 6
+# Runs flows.cli.main as the console script does, then reports whether anything imported Prefect.
+ENTRY = (
+    "import sys; from flows.cli import main; rc = main(sys.argv[1:]); "
+    "print('prefect imported:', 'prefect' in sys.modules, file=sys.stderr); sys.exit(rc)"
+)
+
+
+@pytest.fixture(scope="module")
+def sim(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
+    with SimulatorServer(tokenizer_dir, SimConfig(required_api_key=API_KEY)) as server:
+        yield server
+
+
+def write_config(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, **endpoint: Any) -> Path:
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "samples_per_shard": 4,
+        "datasets": [{"name": "B1", "path": str(DEMO_DATA / "demo_b1.jsonl"), "max_samples": SAMPLES}],
+        "endpoint": {
+            "base_url": sim.base_url,
+            "model": "sim/deepseek-v4-sim",
+            "api_key": API_KEY,
+            "max_in_flight": 4,
+            "backoff_base_s": 0.01,
+            "backoff_max_s": 0.05,
+            "price_prompt_usd_per_mtok": 0.5,
+            "price_completion_usd_per_mtok": 2.0,
+            "progress_every_s": 0.2,
+            **endpoint,
+        },
+        "sampling": {"max_tokens": 1024},
+        "tokenizer": {"path": str(tokenizer_dir)},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def generate(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-c", ENTRY, "generate", str(config), *extra]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert API_KEY not in done.stdout + done.stderr
+    assert "prefect imported: False" in done.stderr
+    return done
+
+
+def total_line(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def table_cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("│┃").split("│" if "│" in line else "┃")]
+
+
+def test_generate_completes_prints_the_table_and_the_total(
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
+) -> None:
+    config = write_config(tmp_path, sim, tokenizer_dir)
+    done = generate(config)
+    assert done.returncode == 0, done.stderr
+    total = total_line(done)
+    assert (total["samples"], total["done"], total["stopped"]) == (SAMPLES, SAMPLES, None)
+    assert "responses per dataset" in done.stdout
+    table = {cells[0]: cells[1:] for cells in map(table_cells, done.stdout.splitlines()) if len(cells) == 2}
+    assert table["metric"] == ["B1"]
+    assert [table[m][0] for m in ("samples", "done", "failed", "pending")] == [str(SAMPLES), str(SAMPLES), "0", "0"]
+    assert "SimProvider" in table["providers"][0]
+    # stdout is no terminal here: progress goes to stderr as status lines, the last one for the final snapshot
+    status = [line for line in done.stderr.splitlines() if line.startswith("generate ")]
+    assert status and status[-1].startswith(f"generate {SAMPLES}/{SAMPLES} (100.0%)")
+    assert "finished in" in status[-1]
+
+    again = generate(config, "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert total_line(again)["requests_sent"] == 0
+    assert not [line for line in again.stderr.splitlines() if line.startswith("generate ")]
+
+
+def test_budget_cap_exits_3_and_a_higher_cap_continues_without_resending(
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
+) -> None:
+    # worst case per request ~ 1024 completion tokens * $2/Mtok = $0.002; real answers cost ~ $0.0003
+    config = write_config(tmp_path, sim, tokenizer_dir, max_cost_usd=0.0025, max_in_flight=1, min_in_flight=1)
+    stopped = generate(config)
+    assert stopped.returncode == 3, stopped.stderr
+    first = total_line(stopped)
+    assert first["stopped"] == "budget" and 0 < first["done"] < SAMPLES
+    assert "stopped at the budget cap" in stopped.stderr and "endpoint.max_cost_usd" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+
+    resumed = generate(config, "--set", "endpoint.max_cost_usd=1.0")
+    assert resumed.returncode == 0, resumed.stderr
+    second = total_line(resumed)
+    assert second["done"] == SAMPLES - first["done"], "already-done samples were sent again"
+    assert second["requests_sent"] == SAMPLES - first["done"]
+
+
+def test_a_refused_key_exits_2_with_the_message_and_no_traceback(
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
+) -> None:
+    wrong = "sk-wrong-9d2e4b-also-secret"
+    config = write_config(tmp_path, sim, tokenizer_dir, api_key=wrong)
+    refused = generate(config, "--no-progress")
+    assert refused.returncode == 2
+    assert "401" in refused.stderr and "Traceback" not in refused.stderr
+    assert wrong not in refused.stdout + refused.stderr
