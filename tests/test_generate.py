@@ -18,9 +18,9 @@ from endpoint_sim.server import SimState, SimulatorServer
 from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
 from tasks.errors import FatalEndpointError
 from tasks.generate import CompletionMarkers, generate_parts
+from tasks.generate.chunks import chunk_dir
 from tasks.generate.client import backoff_delay, parse_retry_after
 from tasks.generate.endpoints import build_request, endpoint_url, split_completion
-from tasks.generate.engine import chunk_dir
 from tasks.messages import prompt_messages, sample_id
 from tasks.schemas import PROMPTS, RESPONSES
 from tasks.shards import PartRef, read_marker, read_part, stage_metadata, write_parquet_atomic, write_part
@@ -139,7 +139,7 @@ def test_openai_chat_rows_across_parts(
             assert out["model"] == BASELINE.model_name
             assert out["generation_id"] == f"gen-1-{sample.key}"
             assert out["output_ids"] is None and out["latency_s"] is not None
-        assert not chunk_dir(PartRef(tmp_path, "responses", part)).exists()
+        assert not chunk_dir(tmp_path, part).exists()
         assert read_marker(PartRef(tmp_path, "responses", part))["stats"]["done"] == 7
 
 
@@ -296,7 +296,9 @@ def test_leftover_chunks_are_honoured(
             rec.update(status="failed", error="HTTP 503: earlier run")
         crashed.append(rec)
     table = pa.Table.from_pylist(crashed, schema=RESPONSES)
-    write_parquet_atomic(chunk_dir(out_ref) / "chunk-000000.parquet", table, stage_metadata("responses", {}))
+    write_parquet_atomic(
+        chunk_dir(out_ref.run_dir, out_ref.part) / "chunk-000000.parquet", table, stage_metadata("responses", {})
+    )
     before = sim.stats()["by_key"]
     summary = generate_parts(make_cfg(tmp_path, sim, tokenizer_dir), refs(tmp_path, 1), MARKERS)
     assert (summary.parts[0].skipped_already_done, summary.parts[0].requests_sent) == (3, 3)
@@ -311,7 +313,7 @@ def test_leftover_chunks_are_honoured(
         else:
             assert after[key] == before.get(key, 0) + 1
             assert got[row["sample_id"]]["status"] == "done"
-    assert not chunk_dir(out_ref).exists()
+    assert not chunk_dir(out_ref.run_dir, out_ref.part).exists()
 
 
 def test_fatal_mid_run_commits_finished_samples_and_resume_sends_only_the_rest(
@@ -327,7 +329,7 @@ def test_fatal_mid_run_commits_finished_samples_and_resume_sends_only_the_rest(
         out_ref = PartRef(tmp_path, "responses", part)
         if out_ref.is_done():
             committed.update(responses(tmp_path, part))
-        for path in sorted(chunk_dir(out_ref).glob("chunk-*.parquet")):
+        for path in sorted(chunk_dir(out_ref.run_dir, out_ref.part).glob("chunk-*.parquet")):
             committed.update({r["sample_id"]: r for r in pq.read_table(path).to_pylist()})
     done_before = {sid for sid, r in committed.items() if r["status"] == "done"}
     assert done_before, "some samples finish before the first 401"

@@ -12,15 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
+from tasks.generate.chunks import STAGE, chunk_paths, merge_row, read_chunk
 from tasks.generate.progress import format_counts
-from tasks.schemas import RESPONSES
-from tasks.shards import PartRef, check_schema, part_name, read_part
+from tasks.shards import PartRef, read_part
 
-STAGE = "responses"
-# The engine's layout for uncommitted work: <run_dir>/responses/_chunks/part-NNNNN/chunk-NNNNNN.parquet.
-CHUNKS_DIR = "_chunks"
 COLUMNS = [
     "sample_id",
     "dataset",
@@ -95,26 +90,11 @@ def format_mix(counts: Counter[str]) -> str:
     )
 
 
-def chunk_paths(run_dir: Path, part: int) -> list[Path]:
-    """Committed chunks in write order; later ones hold later attempts."""
-    cdir = run_dir / STAGE / CHUNKS_DIR / part_name(part)
-    if not cdir.is_dir():
-        return []
-    return sorted(cdir.glob("chunk-*.parquet"), key=lambda p: int(p.stem.split("-", 1)[1]))
-
-
-def _merge(rows: dict[str, dict[str, Any]], row: dict[str, Any]) -> None:
-    existing = rows.get(row["sample_id"])
-    if existing is None or existing["status"] != "done":
-        rows[row["sample_id"]] = row
-
-
 def _chunk_rows(run_dir: Path, part: int) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for path in chunk_paths(run_dir, part):
-        check_schema(path, RESPONSES, STAGE)
-        for row in pq.read_table(path, columns=COLUMNS).to_pylist():
-            _merge(rows, row)
+        for row in read_chunk(path, COLUMNS):
+            merge_row(rows, row)
     return rows
 
 

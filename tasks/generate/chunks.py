@@ -1,0 +1,48 @@
+"""The on-disk layout of uncommitted generate work and the rule that merges it, shared by the engine (resume)
+and the run-directory summary; kept free of heavy imports so a report never loads transformers.
+
+Layout: <run_dir>/responses/_chunks/part-NNNNN/chunk-NNNNNN.parquet, written atomically in sequence. Chunks are
+replayed in write order and later rows win, except that a "done" row is never replaced: once a sample has
+been paid for and committed it is final.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from tasks.schemas import RESPONSES
+from tasks.shards import check_schema, part_name
+
+STAGE = "responses"
+CHUNKS_DIR = "_chunks"
+
+
+def chunk_dir(run_dir: Path, part: int) -> Path:
+    return run_dir / STAGE / CHUNKS_DIR / part_name(part)
+
+
+def chunk_index(path: Path) -> int:
+    return int(path.stem.split("-", 1)[1])
+
+
+def chunk_paths(run_dir: Path, part: int) -> list[Path]:
+    """Committed chunks in write order (by number, not by name)."""
+    cdir = chunk_dir(run_dir, part)
+    if not cdir.is_dir():
+        return []
+    return sorted(cdir.glob("chunk-*.parquet"), key=chunk_index)
+
+
+def read_chunk(path: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:
+    check_schema(path, RESPONSES, STAGE)
+    rows: list[dict[str, Any]] = pq.read_table(path, columns=columns or list(RESPONSES.names)).to_pylist()
+    return rows
+
+
+def merge_row(rows: dict[str, dict[str, Any]], row: dict[str, Any]) -> None:
+    existing = rows.get(row["sample_id"])
+    if existing is None or existing["status"] != "done":
+        rows[row["sample_id"]] = row
