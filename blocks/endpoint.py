@@ -21,10 +21,20 @@ class InferenceEndpointBlock(Block):
     model: str
     api_key: SecretStr | None = None
     max_in_flight: int = Field(default=2000, ge=1)
-    provider_routing: dict[str, Any] | None = None
+    provider_routing: dict[str, Any] | None = Field(
+        default=None, description="OpenRouter provider object, e.g. {order: [...], quantizations: [fp8]}."
+    )
+    reasoning: dict[str, Any] | None = Field(default=None, description="OpenRouter reasoning object.")
+    stream: bool = False
+    max_cost_usd: float | None = Field(
+        default=None, gt=0, description="Hard spend cap for a run directory; empty keeps the YAML's cap."
+    )
+    price_prompt_usd_per_mtok: float | None = Field(default=None, ge=0, description="Empty keeps the YAML's.")
+    price_completion_usd_per_mtok: float | None = Field(default=None, ge=0, description="Empty keeps the YAML's.")
 
     def to_endpoint_config(self, base: EndpointConfig | None = None) -> EndpointConfig:
-        """Block fields win over the YAML's endpoint section; everything else (retries, prices) is kept."""
+        """Block fields win over the YAML's endpoint section; everything else (retries, timeouts) is kept, and
+        so are the cap and prices when the block leaves them empty (a block never silently removes a cap)."""
         fields: dict[str, Any] = base.model_dump() if base is not None else {}
         fields.update(
             kind=self.kind,
@@ -34,5 +44,13 @@ class InferenceEndpointBlock(Block):
             api_key_env=None,
             max_in_flight=self.max_in_flight,
             provider_routing=self.provider_routing,
+            reasoning=self.reasoning,
+            stream=self.stream,
         )
+        optional = {
+            "max_cost_usd": self.max_cost_usd,
+            "price_prompt_usd_per_mtok": self.price_prompt_usd_per_mtok,
+            "price_completion_usd_per_mtok": self.price_completion_usd_per_mtok,
+        }
+        fields.update({k: v for k, v in optional.items() if v is not None})
         return EndpointConfig.model_validate(fields)

@@ -26,6 +26,28 @@ def test_endpoint_block_round_trips_through_the_server_and_keeps_the_key_secret(
     assert cfg.price_completion_usd_per_mtok == 2.5
     assert cfg.resolved_api_key() == "sk-or-BLOCK-SECRET"
     assert "BLOCK-SECRET" not in cfg.model_dump_json()
+    assert cfg.max_cost_usd is None
+
+
+def test_endpoint_block_sets_a_budget_but_never_removes_the_yaml_one() -> None:
+    base = EndpointConfig(
+        model="m", max_cost_usd=40.0, price_prompt_usd_per_mtok=0.6, price_completion_usd_per_mtok=2.5
+    )
+    common = {"base_url": "https://openrouter.ai/api", "model": "moonshotai/kimi-k2.5"}
+    kept = InferenceEndpointBlock(**common).to_endpoint_config(base)
+    assert (kept.max_cost_usd, kept.price_prompt_usd_per_mtok, kept.price_completion_usd_per_mtok) == (40.0, 0.6, 2.5)
+    block = InferenceEndpointBlock(
+        **common,
+        max_cost_usd=90.0,
+        price_completion_usd_per_mtok=3.0,
+        stream=True,
+        reasoning={"effort": "high"},
+        provider_routing={"order": ["moonshotai"], "quantizations": ["int4"], "allow_fallbacks": False},
+    )
+    cfg = block.to_endpoint_config(base)
+    assert (cfg.max_cost_usd, cfg.price_prompt_usd_per_mtok, cfg.price_completion_usd_per_mtok) == (90.0, 0.6, 3.0)
+    assert cfg.stream and cfg.reasoning == {"effort": "high"}
+    assert cfg.provider_routing == {"order": ["moonshotai"], "quantizations": ["int4"], "allow_fallbacks": False}
 
 
 def test_tokenizer_and_backend_blocks_convert_to_the_strict_config_sections() -> None:

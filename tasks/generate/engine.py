@@ -305,8 +305,8 @@ class _Run:
         for retry in outcome.retry_reasons:
             summary.retries_by_reason[retry] = summary.retries_by_reason.get(retry, 0) + 1
         summary.cost_usd += outcome.cost_usd
-        if outcome.budget_stopped:
-            return
+        if outcome.budget_stopped and outcome.attempts == 0:
+            return  # never sent: no row, so the sample stays pending and a rerun sends it
         row = _empty_row(item.sample_id, item.dataset)
         row.update(attempts=outcome.attempts, latency_s=outcome.latency_s, request_seed=answer.seed)
         reason, error = outcome.reason, outcome.error
