@@ -7,11 +7,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FailureRule", "Responder", "SimConfig", "SimSample", "SimulatorServer"]
+__all__ = [
+    "FailureRule",
+    "Responder",
+    "SimConfig",
+    "SimSample",
+    "SimulatorServer",
+    "request_latency_s",
+    "scheduled_failure",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("FailureRule", "Responder", "SimConfig", "SimSample"):
+    if name in ("FailureRule", "Responder", "SimConfig", "SimSample", "request_latency_s", "scheduled_failure"):
         from endpoint_sim import responder
 
         return getattr(responder, name)

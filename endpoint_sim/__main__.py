@@ -6,6 +6,9 @@ import argparse
 import json
 import resource
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from endpoint_sim.responder import FailureRule, SimConfig
 from endpoint_sim.server import serve_forever
@@ -15,7 +18,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
     parser = argparse.ArgumentParser(prog="python -m endpoint_sim", description=__doc__)
     parser.add_argument("--model-dir", type=Path, required=True, help="local model dir with tokenizer files")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="0 = any free port (see --port-file)")
+    parser.add_argument("--port-file", type=Path, help="write the bound port here (atomically) once listening")
     parser.add_argument("--config-json", type=Path, help="full SimConfig as JSON; flags below override it")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--noncanonical-rate", type=float)
@@ -27,8 +31,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
         "--fail",
         action="append",
         default=[],
-        metavar="STATUS:RATE[:ATTEMPTS[:RETRY_AFTER_S]]",
-        help="inject HTTP failures, e.g. 503:0.1:2 (ATTEMPTS 0 = every attempt); repeatable",
+        metavar="STATUS|KIND:RATE[:ATTEMPTS[:RETRY_AFTER_S|HANG_S]]",
+        help="inject failures, e.g. 503:0.1:2 (ATTEMPTS 0 = every attempt) or reset:0.05 or hang:0.01:1:5; repeatable",
     )
     parser.add_argument("--auth-fail-all", action="store_true")
     parser.add_argument("--required-api-key")
@@ -52,16 +56,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
 
 
 def _failure(spec: str) -> FailureRule:
+    """STATUS:... is an "http" rule; KIND:... any other kind, whose 4th field is hang_s for "hang"."""
     parts = spec.split(":")
     if not 2 <= len(parts) <= 4:
-        raise SystemExit(f"--fail {spec!r}: expected STATUS:RATE[:ATTEMPTS[:RETRY_AFTER_S]]")
-    attempts = int(parts[2]) if len(parts) > 2 else 1
-    return FailureRule(
-        status=int(parts[0]),
-        rate=float(parts[1]),
-        attempts=attempts or None,
-        retry_after_s=float(parts[3]) if len(parts) > 3 else None,
-    )
+        raise SystemExit(f"--fail {spec!r}: expected STATUS|KIND:RATE[:ATTEMPTS[:RETRY_AFTER_S|HANG_S]]")
+    fields: dict[str, Any] = {"rate": float(parts[1]), "attempts": (int(parts[2]) if len(parts) > 2 else 1) or None}
+    if parts[0].isdigit():
+        fields["status"] = int(parts[0])
+        if len(parts) > 3:
+            fields["retry_after_s"] = float(parts[3])
+    else:
+        fields["kind"] = parts[0]
+        if len(parts) > 3:
+            fields["hang_s" if parts[0] == "hang" else "retry_after_s"] = float(parts[3])
+    try:
+        return FailureRule.model_validate(fields)
+    except ValidationError as exc:
+        raise SystemExit(f"--fail {spec!r}: {exc}") from exc
 
 
 def _raise_open_files_limit() -> None:
@@ -75,8 +86,7 @@ def _raise_open_files_limit() -> None:
 def main(argv: list[str] | None = None) -> None:
     args, config = parse_args(argv)
     _raise_open_files_limit()
-    print(f"endpoint-sim serving {args.model_dir} on http://{args.host}:{args.port}", flush=True)
-    serve_forever(args.model_dir, config, args.host, args.port)
+    serve_forever(args.model_dir, config, args.host, args.port, args.port_file)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,20 +55,47 @@ TOOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
+FailureKind = Literal[
+    "http",
+    "context_length",
+    "error_body",
+    "finish_error",
+    "midstream_error",
+    "truncated_json",
+    "invalid_json",
+    "empty",
+    "empty_reasoning",
+    "reset",
+    "disconnect",
+    "midstream_reset",
+    "hang",
+    "echo_key",
+]
+
+
 class FailureRule(BaseModel):
     """A deterministic slice of prompts that fails its first `attempts` requests (every request if None).
 
     Rules partition the prompt space: rule i owns the keys whose hash falls in its own `rate`-wide interval,
     so the fractions add up and a prompt is hit by at most one rule.
+
+    Kinds are the ways a real API answer goes wrong, so a client can be tested against each one:
+    "http" (status `status`, Retry-After `retry_after_s`), "context_length" (400), "error_body" (200 with an
+    error object), "finish_error" (200, finish_reason "error", half the content, partial billing),
+    "midstream_error" (SSE error chunk, stream ends without [DONE]), "truncated_json" (body or stream cut short),
+    "invalid_json" (200 text/html), "empty" / "empty_reasoning" (200 with empty texts), "reset" (TCP RST, no
+    response), "disconnect" (connection closed, no response), "midstream_reset" (TCP RST halfway through the
+    body or stream), "hang" (stall `hang_s`), "echo_key" (400 whose message quotes the Authorization header).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["http", "context_length", "error_body"] = "http"
+    kind: FailureKind = "http"
     status: int = Field(default=500, ge=400, le=599)
     rate: float = Field(ge=0.0, le=1.0)
     attempts: int | None = Field(default=1, ge=1)
     retry_after_s: float | None = Field(default=None, ge=0.0)
+    hang_s: float = Field(default=30.0, ge=0.0)
 
 
 class SimConfig(BaseModel):
@@ -96,6 +125,20 @@ class SimConfig(BaseModel):
     cache_size: int = Field(default=65536, ge=1)
     unavailable_probes: int = Field(
         default=0, ge=0, description="The first N /health or /v1/models requests answer 503 (endpoint still starting)."
+    )
+    rate_limit_concurrency: int | None = Field(
+        default=None, ge=1, description="More completion requests than this in flight: the extra ones get 429."
+    )
+    rate_limit_retry_after_s: float | None = Field(default=None, ge=0.0)
+    generation_cost_factor: float = Field(
+        default=1.0, ge=0.0, description="/api/v1/generation total_cost = usage cost * this (billing drift)."
+    )
+    generation_lookup_delay_s: float = Field(
+        default=0.0, ge=0.0, description="/api/v1/generation answers 404 until this long after completion."
+    )
+    generation_store_size: int = Field(default=200_000, ge=1)
+    stream_chunk_delay_s: float = Field(
+        default=0.0, ge=0.0, description="Pause between SSE chunks; 0 sends the whole stream at once."
     )
 
     @model_validator(mode="after")
@@ -137,6 +180,35 @@ def unit_hash(*parts: object) -> float:
     """A uniform number in [0, 1) from the parts: per-key decisions that do not depend on call order."""
     digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+_STANDARD_NORMAL = NormalDist()
+
+
+def request_latency_s(config: SimConfig, key: str, attempt: int) -> float:
+    """The latency the server sleeps before answering attempt `attempt` of `key` (= `Responder.key`).
+
+    A pure function so a benchmark can tell, from outside, what the endpoint alone costs each request.
+    """
+    delay = config.latency_s
+    if config.latency_lognormal is not None:
+        mu, sigma = config.latency_lognormal
+        u = min(max(unit_hash(key, attempt, config.seed, "latency"), 1e-12), 1 - 1e-12)
+        delay += math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(u))
+    return delay
+
+
+def scheduled_failure(config: SimConfig, key: str, attempt: int) -> FailureRule | None:
+    """The failure rule attempt `attempt` of `key` gets, if any (pure, like `request_latency_s`)."""
+    if not config.failures:
+        return None
+    u = unit_hash(key, config.seed, "failure")
+    low = 0.0
+    for rule in config.failures:
+        if low <= u < low + rule.rate:
+            return rule if rule.attempts is None or attempt <= rule.attempts else None
+        low += rule.rate
+    return None
 
 
 def _rng(*parts: object) -> random.Random:

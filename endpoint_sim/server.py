@@ -1,36 +1,67 @@
 """A local HTTP endpoint that behaves like OpenRouter's chat API and SGLang's native /generate.
 
 It exists so the generate stage can be tested and benchmarked over real sockets (connection pooling, timeouts,
-retries, thousands of requests in flight) without any network access. Failures are injected deterministically
-per (prompt key, attempt number as seen by this server), so a test knows in advance which requests fail.
+retries, streaming, thousands of requests in flight) without any network access. Failures are injected
+deterministically per (prompt key, attempt number as seen by this server), so a test knows in advance which
+requests fail and how; `request_latency_s` and `scheduled_failure` in `endpoint_sim.responder` predict both.
 
-Handler work is kept small for high concurrency: tokenizer work is cached per prompt key in the `Responder`.
+Handler work is kept small for high concurrency: tokenizer work is cached per prompt key in the `Responder`,
+and nothing is logged per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
+import os
+import signal
+import socket
+import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 from types import TracebackType
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 
-from endpoint_sim.responder import FailureRule, Responder, SimConfig, SimSample, unit_hash
+from endpoint_sim.generations import Generation, GenerationStore
+from endpoint_sim.openrouter import (
+    ChatAnswer,
+    ChatMeta,
+    StreamFrames,
+    chat_answer,
+    completion_body,
+    cost_usd,
+    empty_answer,
+    partial_answer,
+    stream_frames,
+    usage,
+    without_reasoning,
+)
+from endpoint_sim.responder import (
+    FailureRule,
+    Responder,
+    SimConfig,
+    SimSample,
+    request_latency_s,
+    scheduled_failure,
+)
 
 __all__ = ["FailureRule", "SimConfig", "SimState", "SimulatorServer", "build_app", "serve_forever"]
 
 LISTEN_BACKLOG = 8192
-# stop() must not wait a minute for requests parked in an injected latency.
+# stop() must not wait a minute for requests parked in an injected latency or a "hang" failure.
 SHUTDOWN_TIMEOUT_S = 1.0
-_STANDARD_NORMAL = NormalDist()
+INVALID_JSON_BODY = "<html><body>502 Bad Gateway</body></html>"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Failure kinds that replace the whole response; the others change the answer inside a 200.
+_RESPONSE_KINDS = frozenset({"http", "context_length", "error_body", "invalid_json", "echo_key", "reset", "disconnect"})
 
 
 class SimState:
@@ -43,7 +74,14 @@ class SimState:
         self.by_key: Counter[str] = Counter()
         self.by_status: Counter[str] = Counter()
         self.by_route: Counter[str] = Counter()
+        self.injected: Counter[str] = Counter()
+        self.lookups: Counter[str] = Counter()
         self.probes = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.rate_limited = 0
+        self.generations = GenerationStore(self.config.generation_store_size)
+        self.handlers: set[asyncio.Task[Any]] = set()
 
     def probe_unavailable(self) -> bool:
         self.probes += 1
@@ -52,20 +90,32 @@ class SimState:
     def update_config(self, config: SimConfig) -> None:
         self.config = config
         self.responder.update_config(config)
+        self.generations.size = config.generation_store_size
 
     def reset_stats(self) -> None:
+        """Counters and attempt numbers start over; requests in flight and the billing records stay."""
         self.total_requests = 0
         self.by_key.clear()
         self.by_status.clear()
         self.by_route.clear()
+        self.injected.clear()
+        self.lookups.clear()
         self.probes = 0
+        self.peak_in_flight = self.in_flight
+        self.rate_limited = 0
 
     def stats(self, with_keys: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
             "total_requests": self.total_requests,
             "by_status": dict(self.by_status),
             "by_route": dict(self.by_route),
+            "injected": dict(self.injected),
             "probes": self.probes,
+            "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
+            "rate_limited": self.rate_limited,
+            "generation_lookups": dict(self.lookups),
+            "generations_stored": len(self.generations),
         }
         if with_keys:
             out["by_key"] = dict(self.by_key)
@@ -84,22 +134,15 @@ class SimState:
         return web.json_response(body, status=status, headers=headers)
 
     def failure_rule(self, key: str, attempt: int) -> FailureRule | None:
-        u = unit_hash(key, self.config.seed, "failure")
-        low = 0.0
-        for rule in self.config.failures:
-            if low <= u < low + rule.rate:
-                return rule if rule.attempts is None or attempt <= rule.attempts else None
-            low += rule.rate
-        return None
+        return scheduled_failure(self.config, key, attempt)
 
     def latency(self, key: str, attempt: int) -> float:
-        cfg = self.config
-        delay = cfg.latency_s
-        if cfg.latency_lognormal is not None:
-            mu, sigma = cfg.latency_lognormal
-            u = min(max(unit_hash(key, attempt, cfg.seed, "latency"), 1e-12), 1 - 1e-12)
-            delay += math.exp(mu + sigma * _STANDARD_NORMAL.inv_cdf(u))
-        return delay
+        return request_latency_s(self.config, key, attempt)
+
+    def cancel_handlers(self) -> None:
+        """Shutdown must not wait for handlers parked in a latency sleep or a hang."""
+        for task in list(self.handlers):
+            task.cancel()
 
 
 STATE: web.AppKey[SimState] = web.AppKey("sim_state", SimState)
@@ -117,24 +160,48 @@ async def _json_body(request: web.Request) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _auth_failure(state: SimState, request: web.Request) -> web.Response | None:
-    cfg = state.config
+def _auth_error(cfg: SimConfig, request: web.Request) -> str | None:
     if cfg.auth_fail_all:
-        return state.respond(401, _error(401, "simulated: invalid credentials"))
+        return "simulated: invalid credentials"
     expected = f"Bearer {cfg.required_api_key}"
     if cfg.required_api_key is not None and request.headers.get("Authorization", "") != expected:
-        return state.respond(401, _error(401, "simulated: missing or wrong API key"))
+        return "simulated: missing or wrong API key"
     return None
 
 
-async def _injected(state: SimState, key: str, attempt: int, prompt_len: int) -> web.Response | None:
-    """Latency, then the failure this (key, attempt) is scheduled to get, if any."""
-    delay = state.latency(key, attempt)
-    if delay > 0:
-        await asyncio.sleep(delay)
-    rule = state.failure_rule(key, attempt)
-    if rule is None:
-        return None
+def _abort(request: web.Request, rst: bool) -> None:
+    """Close the connection under the handler: a TCP RST (SO_LINGER 0) or a plain FIN."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if rst and sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def _drop_connection(state: SimState, request: web.Request, kind: str) -> web.Response:
+    """No response at all ("reset": RST, "disconnect": FIN). The returned response is never delivered; aiohttp
+    drops it quietly on the closed transport."""
+    _abort(request, rst=kind == "reset")
+    state.by_status[kind] += 1
+    return web.Response(status=500)
+
+
+async def _reset_midway(state: SimState, request: web.Request, body: bytes) -> web.StreamResponse:
+    """Headers promise the whole JSON body, half of it arrives, then a RST: the client's payload is incomplete."""
+    response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+    response.content_length = len(body)
+    await response.prepare(request)
+    await response.write(body[: len(body) // 2])
+    _abort(request, rst=True)
+    state.by_status["200"] += 1
+    return response
+
+
+def _failure_response(
+    state: SimState, request: web.Request, rule: FailureRule, attempt: int, prompt_len: int
+) -> web.Response:
     if rule.kind == "context_length":
         limit = max(1, prompt_len // 2)
         return state.respond(
@@ -147,6 +214,14 @@ async def _injected(state: SimState, key: str, attempt: int, prompt_len: int) ->
         )
     if rule.kind == "error_body":
         return state.respond(200, _error(502, f"simulated upstream error (attempt {attempt})"))
+    if rule.kind == "invalid_json":
+        state.by_status["200"] += 1
+        return web.Response(status=200, text=INVALID_JSON_BODY, content_type="text/html")
+    if rule.kind == "echo_key":
+        auth = request.headers.get("Authorization", "")
+        return state.respond(400, _error(400, f"simulated: request rejected for Authorization {auth!r}"))
+    if rule.kind in ("reset", "disconnect"):
+        return _drop_connection(state, request, rule.kind)
     headers = {"Retry-After": f"{rule.retry_after_s:g}"} if rule.retry_after_s is not None else None
     return state.respond(rule.status, _error(rule.status, f"simulated HTTP {rule.status} (attempt {attempt})"), headers)
 
@@ -159,15 +234,29 @@ def _int_or_none(value: Any, name: str) -> int | None:
     return value
 
 
-def _cost(cfg: SimConfig, prompt_tokens: int, completion_tokens: int) -> float:
-    return (prompt_tokens * cfg.price_prompt_usd_per_mtok + completion_tokens * cfg.price_completion_usd_per_mtok) / 1e6
-
-
 def _truncate(sample: SimSample, limit: int | None) -> tuple[tuple[int, ...], str]:
     """The ids actually "generated" under a token limit, and the finish reason."""
     if limit is not None and len(sample.output_ids) > limit:
         return sample.output_ids[:limit], "length"
     return sample.output_ids, "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that passed auth and injected refusals; `rule` is a failure kind that shapes the 200 answer."""
+
+    key: str
+    attempt: int
+    sample: SimSample
+    ids: tuple[int, ...]
+    finish: str
+    rule: FailureRule | None
+    started: float
+    latency_s: float
+
+    @property
+    def kind(self) -> str | None:
+        return self.rule.kind if self.rule is not None else None
 
 
 async def _admit(
@@ -177,20 +266,87 @@ async def _admit(
     prompt_ids: tuple[int, ...],
     seed: int | None,
     limit: int | None,
-) -> web.Response | tuple[str, int, SimSample, tuple[int, ...], str]:
-    """What both routes do once a request parsed: count the attempt, apply auth and injected failures (a
-    response to send back), else draw the sample and cut it at the token limit."""
+) -> web.Response | Admitted:
+    """What both routes do once a request parsed: count the attempt, apply auth, sleep the injected latency,
+    then either answer with the scheduled failure (a response) or draw the sample and cut it at the limit."""
+    started = time.perf_counter()
     key = state.responder.key(prompt_ids, seed)
     attempt = state.count(route, key)
-    refused = _auth_failure(state, request) or await _injected(state, key, attempt, len(prompt_ids))
-    if refused is not None:
-        return refused
+    auth = _auth_error(state.config, request)
+    if auth is not None:
+        return state.respond(401, _error(401, auth))
+    delay = state.latency(key, attempt)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    rule = state.failure_rule(key, attempt)
+    if rule is not None:
+        state.injected[f"http_{rule.status}" if rule.kind == "http" else rule.kind] += 1
+        if rule.kind in _RESPONSE_KINDS:
+            return _failure_response(state, request, rule, attempt, len(prompt_ids))
     sample = state.responder.sample(prompt_ids, seed, key)
     ids, finish = _truncate(sample, limit)
-    return key, attempt, sample, ids, finish
+    return Admitted(key, attempt, sample, ids, finish, rule, started, delay)
 
 
-async def chat_completions(request: web.Request) -> web.Response:
+def _record(
+    state: SimState, admitted: Admitted, meta: ChatMeta, prompt_tokens: int, billed: ChatAnswer, streamed: bool
+) -> None:
+    now = time.perf_counter()
+    state.generations.add(
+        Generation(
+            id=meta.id,
+            cost_usd=cost_usd(state.config, prompt_tokens, billed.completion_tokens),
+            provider=meta.provider,
+            model=meta.model,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=billed.completion_tokens,
+            reasoning_tokens=billed.reasoning_tokens,
+            finish_reason=billed.finish,
+            latency_ms=admitted.latency_s * 1000,
+            generation_time_ms=(now - admitted.started) * 1000,
+            streamed=streamed,
+            completed_at=time.monotonic(),
+        )
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _completion_route(route: str, handler: Handler) -> Handler:
+    """Concurrency accounting and the rate limit around a completion handler.
+
+    A request over the limit is refused before its body is read or its attempt counted, so load never shifts
+    a prompt's failure schedule.
+    """
+
+    async def tracked(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        limit = state.config.rate_limit_concurrency
+        if limit is not None and state.in_flight >= limit:
+            state.total_requests += 1
+            state.by_route[route] += 1
+            state.rate_limited += 1
+            retry = state.config.rate_limit_retry_after_s
+            headers = {"Retry-After": f"{retry:g}"} if retry is not None else None
+            refusal = _error(429, "simulated: rate limit exceeded, too many requests in flight")
+            return state.respond(429, refusal, headers)
+        task = asyncio.current_task()
+        state.in_flight += 1
+        state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
+        if task is not None:
+            state.handlers.add(task)
+        try:
+            return await handler(request)
+        finally:
+            state.in_flight -= 1
+            if task is not None:
+                state.handlers.discard(task)
+
+    return tracked
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json_body(request)
     if body is None:
@@ -215,49 +371,91 @@ async def chat_completions(request: web.Request) -> web.Response:
     admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens)
     if isinstance(admitted, web.Response):
         return admitted
-    key, attempt, sample, ids, finish = admitted
-    if finish == "stop":
-        reasoning, content, reasoning_tokens = sample.reasoning, sample.content, sample.reasoning_tokens
-    elif responder.reasoning_close_id in ids:
-        cut = ids.index(responder.reasoning_close_id)
-        reasoning, content, reasoning_tokens = (
-            responder.decode(ids[:cut]),
-            responder.decode(ids[cut + 1 :]),
-            cut,
-        )
-    else:
-        reasoning, content, reasoning_tokens = responder.decode(ids), "", len(ids)
     cfg = state.config
-    usage: dict[str, Any] = {
-        "prompt_tokens": len(prompt_ids),
-        "completion_tokens": len(ids),
-        "total_tokens": len(prompt_ids) + len(ids),
-        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-    }
-    if cfg.report_cost:
-        usage["cost"] = _cost(cfg, len(prompt_ids), len(ids))
-    return state.respond(
-        200,
-        {
-            "id": f"gen-{attempt}-{key}",
-            "provider": sample.provider,
-            "model": cfg.model_name,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content, "reasoning": reasoning},
-                    "finish_reason": finish,
-                    "native_finish_reason": finish,
-                }
-            ],
-            "usage": usage,
-        },
-    )
+    kind = admitted.kind
+    stream = body.get("stream") is True
+    full = chat_answer(responder, admitted.sample, admitted.ids, admitted.finish)
+    billed = _billed_answer(responder, full, kind)
+    # A stream that dies midway has already sent pieces of the full answer; the others show what is billed.
+    shown = full if stream and kind == "midstream_error" else billed
+    gen_id = f"gen-{admitted.attempt}-{admitted.key}"
+    meta = ChatMeta(gen_id, admitted.sample.provider, cfg.model_name, int(time.time()))
+    usage_ = usage(cfg, len(prompt_ids), billed)
+    if stream:
+        options = body.get("stream_options")
+        include_usage = not (isinstance(options, dict) and options.get("include_usage") is False)
+        frames = stream_frames(meta, shown, usage_ if include_usage else None, admitted.key)
+        return await _stream(state, request, admitted, meta, frames, len(prompt_ids), billed)
+    if admitted.rule is not None and kind == "hang":
+        await asyncio.sleep(admitted.rule.hang_s)
+    out = completion_body(meta, shown, usage_)
+    _record(state, admitted, meta, len(prompt_ids), billed, streamed=False)
+    if kind == "truncated_json":
+        return _truncated_json(state, out)
+    if kind == "midstream_reset":
+        return await _reset_midway(state, request, json.dumps(out).encode())
+    return state.respond(200, out)
 
 
-async def generate(request: web.Request) -> web.Response:
+def _billed_answer(responder: Responder, full: ChatAnswer, kind: str | None) -> ChatAnswer:
+    if kind in ("finish_error", "midstream_error"):
+        return partial_answer(responder, full)
+    if kind == "empty":
+        return empty_answer()
+    if kind == "empty_reasoning":
+        return without_reasoning(full)
+    return full
+
+
+def _truncated_json(state: SimState, body: dict[str, Any]) -> web.Response:
+    text = json.dumps(body)
+    state.by_status["200"] += 1
+    return web.Response(status=200, text=text[: len(text) // 2], content_type="application/json")
+
+
+async def _stream(
+    state: SimState,
+    request: web.Request,
+    admitted: Admitted,
+    meta: ChatMeta,
+    source: StreamFrames,
+    prompt_tokens: int,
+    billed: ChatAnswer,
+) -> web.StreamResponse:
+    """The SSE answer. Frames go out in one write unless a hang or `stream_chunk_delay_s` spaces them; the
+    generation is recorded before the last write so a client that saw the end can already look it up."""
+    kind = admitted.kind
+    if kind == "midstream_error":
+        frames = source.midstream_error()
+    elif kind == "truncated_json":
+        frames = source.truncated()
+    elif kind == "midstream_reset":
+        frames = source.first_half()
+    else:
+        frames = source.complete()
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await response.prepare(request)
+    state.by_status["200"] += 1
+    if admitted.rule is not None and kind == "hang":
+        await response.write("".join(frames[:2]).encode())
+        await asyncio.sleep(admitted.rule.hang_s)
+        frames = frames[2:]
+    delay = state.config.stream_chunk_delay_s
+    if delay > 0:
+        for frame in frames[:-1]:
+            await response.write(frame.encode())
+            await asyncio.sleep(delay)
+        frames = frames[-1:]
+    _record(state, admitted, meta, prompt_tokens, billed, streamed=True)
+    await response.write("".join(frames).encode())
+    if kind == "midstream_reset":
+        _abort(request, rst=True)
+        return response
+    await response.write_eof()
+    return response
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     state = request.app[STATE]
     body = await _json_body(request)
@@ -282,29 +480,41 @@ async def generate(request: web.Request) -> web.Response:
     admitted = await _admit(state, request, "generate", prompt_ids, seed, max_new)
     if isinstance(admitted, web.Response):
         return admitted
-    key, attempt, sample, ids, finish = admitted
+    key, attempt, sample, ids, finish = admitted.key, admitted.attempt, admitted.sample, admitted.ids, admitted.finish
+    kind = admitted.kind
     skip = bool(params.get("skip_special_tokens", True))
-    if finish == "stop":
+    reason: dict[str, Any]
+    if kind == "empty":
+        ids, out_text, reason = (), "", {"type": "stop", "matched": responder.eos_id}
+    elif kind in ("finish_error", "midstream_error"):
+        ids = ids[: len(ids) // 2]
+        out_text = responder.decode(ids, skip)
+        reason = {"type": "abort", "message": f"simulated: request aborted (attempt {attempt})"}
+    elif finish == "stop":
         out_text = sample.reasoning + sample.content if skip and responder.close_is_special else sample.text
-        reason: dict[str, Any] = {"type": "stop", "matched": responder.eos_id}
+        reason = {"type": "stop", "matched": responder.eos_id}
     else:
         out_text = responder.decode(ids, skip)
         reason = {"type": "length", "length": len(ids)}
-    return state.respond(
-        200,
-        {
-            "text": out_text,
-            "output_ids": list(ids),
-            "meta_info": {
-                "id": f"{attempt}-{key}",
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(ids),
-                "cached_tokens": 0,
-                "finish_reason": reason,
-                "e2e_latency": time.perf_counter() - started,
-            },
+    if admitted.rule is not None and kind == "hang":
+        await asyncio.sleep(admitted.rule.hang_s)
+    out = {
+        "text": out_text,
+        "output_ids": list(ids),
+        "meta_info": {
+            "id": f"{attempt}-{key}",
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "finish_reason": reason,
+            "e2e_latency": time.perf_counter() - started,
         },
-    )
+    }
+    if kind == "truncated_json":
+        return _truncated_json(state, out)
+    if kind == "midstream_reset":
+        return await _reset_midway(state, request, json.dumps(out).encode())
+    return state.respond(200, out)
 
 
 UNAVAILABLE = {"error": {"message": "server is starting", "code": 503}}
@@ -323,21 +533,80 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "endpoint-sim"}]})
 
 
+async def generation_lookup(request: web.Request) -> web.Response:
+    """OpenRouter's billing record of one completion; counted apart from completions (not in by_key)."""
+    state = request.app[STATE]
+    state.by_route["generation_lookup"] += 1
+    auth = _auth_error(state.config, request)
+    gen_id = request.query.get("id", "")
+    if auth is not None:
+        status, body = 401, _error(401, auth)
+    elif not gen_id:
+        status, body = 400, _error(400, "query parameter id is required")
+    elif (found := state.generations.visible(gen_id, state.config.generation_lookup_delay_s)) is not None:
+        status, body = 200, {"data": found.data(state.config.generation_cost_factor)}
+    else:
+        status, body = 404, _error(404, "Generation not found")
+    state.lookups[str(status)] += 1
+    return web.json_response(body, status=status)
+
+
 async def sim_stats(request: web.Request) -> web.Response:
     with_keys = request.query.get("keys", "1") not in ("0", "false")
     return web.json_response(request.app[STATE].stats(with_keys))
 
 
+def merged_config(base: SimConfig, changes: dict[str, Any]) -> SimConfig:
+    return SimConfig.model_validate({**base.model_dump(), **changes}) if changes else base
+
+
+async def sim_config(request: web.Request) -> web.Response:
+    """POST merges fields into the live config (like `SimulatorServer.update_config`), for out-of-process tests."""
+    state = request.app[STATE]
+    if request.method == "POST":
+        changes = await _json_body(request)
+        if changes is None:
+            return web.json_response(_error(400, "body must be a JSON object of SimConfig fields"), status=400)
+        try:
+            state.update_config(merged_config(state.config, changes))
+        except ValidationError as exc:
+            return web.json_response(_error(400, str(exc)), status=400)
+    return web.json_response(state.config.model_dump(mode="json"))
+
+
+async def sim_reset(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.reset_stats()
+    return web.json_response(state.stats(with_keys=False))
+
+
 def build_app(state: SimState) -> web.Application:
     app = web.Application(client_max_size=64 * 1024**2)
     app[STATE] = state
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/chat/completions", chat_completions)
-    app.router.add_post("/generate", generate)
+    chat = _completion_route("chat", chat_completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/chat/completions", chat)
+    app.router.add_post("/generate", _completion_route("generate", generate))
+    app.router.add_get("/api/v1/generation", generation_lookup)
+    app.router.add_get("/v1/generation", generation_lookup)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/_sim/stats", sim_stats)
+    app.router.add_get("/_sim/config", sim_config)
+    app.router.add_post("/_sim/config", sim_config)
+    app.router.add_post("/_sim/reset", sim_reset)
     return app
+
+
+def _runner(state: SimState) -> web.AppRunner:
+    """Handlers are cancelled when their client goes away, so a timed-out "hang" stops holding a slot."""
+    return web.AppRunner(
+        build_app(state),
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
 
 
 class SimulatorServer:
@@ -389,9 +658,7 @@ class SimulatorServer:
         assert self._loop is not None and self._state is not None
         loop = self._loop
         asyncio.set_event_loop(loop)
-        runner = web.AppRunner(
-            build_app(self._state), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S
-        )
+        runner = _runner(self._state)
         try:
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, self.host, self._port, backlog=LISTEN_BACKLOG, reuse_address=True)
@@ -408,6 +675,7 @@ class SimulatorServer:
         try:
             loop.run_forever()
         finally:
+            self._state.cancel_handlers()
             loop.run_until_complete(runner.cleanup())
             loop.close()
 
@@ -437,8 +705,7 @@ class SimulatorServer:
 
     def update_config(self, config: SimConfig | None = None, **changes: Any) -> SimConfig:
         """Swap knobs between test phases; attempt counters and stats are kept (a rerun sees attempt N+1)."""
-        base = config or self.config
-        new = SimConfig.model_validate({**base.model_dump(), **changes}) if changes else base
+        new = merged_config(config or self.config, changes)
         self._config = new
         if self._state is not None:
             state = self._state
@@ -467,7 +734,39 @@ class SimulatorServer:
         self.stop()
 
 
-def serve_forever(model_dir: Path | str, config: SimConfig, host: str, port: int) -> None:
-    """Foreground server for `python -m endpoint_sim` (benchmarks, manual runs)."""
+def serve_forever(
+    model_dir: Path | str, config: SimConfig, host: str, port: int, port_file: Path | None = None
+) -> None:
+    """Foreground server for `python -m endpoint_sim` (benchmarks, manual runs) until SIGINT or SIGTERM.
+
+    With `port_file`, the bound port (useful with port 0) is written there atomically once the server listens,
+    so a parent process can wait for the file instead of polling the socket.
+    """
     state = SimState(Responder(model_dir, config))
-    web.run_app(build_app(state), host=host, port=port, backlog=LISTEN_BACKLOG, access_log=None, print=None)
+    asyncio.run(_serve_until_signal(state, f"endpoint-sim serving {model_dir}", host, port, port_file))
+
+
+async def _serve_until_signal(state: SimState, banner: str, host: str, port: int, port_file: Path | None) -> None:
+    runner = _runner(state)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, reuse_address=True)
+        await site.start()
+        bound = int(runner.addresses[0][1])
+        if port_file is not None:
+            _write_atomically(port_file, f"{bound}\n")
+        print(f"{banner} on http://{host}:{bound}", flush=True)
+        await stop.wait()
+    finally:
+        state.cancel_handlers()
+        await runner.cleanup()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,182 @@
+"""One chat answer in OpenRouter's wire formats: the JSON completion and the SSE stream, whole or broken.
+
+Kept apart from the HTTP routes so the exact bytes a client sees for each failure kind are defined in one place.
+Streams are rendered as a list of frames at once (a few string joins per chunk), because the benchmark keeps
+thousands of them in flight on two cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+from endpoint_sim.responder import Responder, SimConfig, SimSample
+
+COMMENT = ": OPENROUTER PROCESSING\n\n"
+DONE = "data: [DONE]\n\n"
+# A keep-alive comment between every this many data chunks, as OpenRouter does while a provider is slow.
+COMMENT_EVERY = 8
+MIDSTREAM_ERROR = {"code": 502, "message": "Provider disconnected"}
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+@dataclass(frozen=True, slots=True)
+class ChatAnswer:
+    """What the assistant message says and what it is billed: the part of a sample the client receives."""
+
+    reasoning: str
+    content: str
+    completion_tokens: int
+    reasoning_tokens: int
+    finish: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMeta:
+    """The per-request envelope fields every chunk repeats."""
+
+    id: str
+    provider: str
+    model: str
+    created: int
+
+
+def chat_answer(responder: Responder, sample: SimSample, ids: tuple[int, ...], finish: str) -> ChatAnswer:
+    """The answer for the ids actually generated: the whole sample, or the texts of a max_tokens cut."""
+    if finish == "stop":
+        return ChatAnswer(sample.reasoning, sample.content, len(ids), sample.reasoning_tokens, finish)
+    if responder.reasoning_close_id in ids:
+        cut = ids.index(responder.reasoning_close_id)
+        return ChatAnswer(responder.decode(ids[:cut]), responder.decode(ids[cut + 1 :]), len(ids), cut, finish)
+    return ChatAnswer(responder.decode(ids), "", len(ids), len(ids), finish)
+
+
+def partial_answer(responder: Responder, answer: ChatAnswer) -> ChatAnswer:
+    """A provider that died halfway through the content: reasoning intact, half the content, billed for that."""
+    if not answer.content:
+        return replace(answer, finish="error")
+    content = answer.content[: len(answer.content) // 2]
+    tokens = answer.reasoning_tokens + 1 + len(responder.prompt_ids_for_text(content))
+    return ChatAnswer(answer.reasoning, content, tokens, answer.reasoning_tokens, "error")
+
+
+def empty_answer() -> ChatAnswer:
+    return ChatAnswer("", "", 0, 0, "stop")
+
+
+def without_reasoning(answer: ChatAnswer) -> ChatAnswer:
+    """Reasoning withheld by the provider; it was still generated, so usage stays as billed."""
+    return replace(answer, reasoning="")
+
+
+def cost_usd(cfg: SimConfig, prompt_tokens: int, completion_tokens: int) -> float:
+    return (prompt_tokens * cfg.price_prompt_usd_per_mtok + completion_tokens * cfg.price_completion_usd_per_mtok) / 1e6
+
+
+def usage(cfg: SimConfig, prompt_tokens: int, answer: ChatAnswer) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "total_tokens": prompt_tokens + answer.completion_tokens,
+        "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
+    }
+    if cfg.report_cost:
+        out["cost"] = cost_usd(cfg, prompt_tokens, answer.completion_tokens)
+    return out
+
+
+def completion_body(meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "provider": meta.provider,
+        "model": meta.model,
+        "object": "chat.completion",
+        "created": meta.created,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": answer.content, "reasoning": answer.reasoning},
+                "finish_reason": answer.finish,
+                "native_finish_reason": answer.finish,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def split_pieces(text: str, n: int) -> list[str]:
+    """`text` in about `n` near-equal pieces (fewer when it is shorter than `n` characters); joins back exactly."""
+    size = len(text)
+    cuts = [size * i // n for i in range(n + 1)]
+    return [text[a:b] for a, b in itertools.pairwise(cuts) if a < b]
+
+
+def piece_counts(key: str) -> tuple[int, int]:
+    """How many pieces the reasoning and the content are streamed in: 6-12 each, fixed per prompt key."""
+    return 6 + int(key[0:2], 16) % 7, 6 + int(key[2:4], 16) % 7
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFrames:
+    """An SSE answer cut where the failure kinds need it: the delta chunks, then the ending.
+
+    Comments are not in `deltas`; `frames` interleaves them.
+    """
+
+    prefix: str
+    deltas: list[str]
+    finish: str
+    usage: str | None
+
+    def frames(self, deltas: list[str], ending: list[str]) -> list[str]:
+        out = [COMMENT]
+        for i, chunk in enumerate(deltas):
+            if i and i % COMMENT_EVERY == 0:
+                out.append(COMMENT)
+            out.append(chunk)
+        out.extend(ending)
+        return out
+
+    def complete(self) -> list[str]:
+        ending = [self.finish, *([self.usage] if self.usage is not None else []), DONE]
+        return self.frames(self.deltas, ending)
+
+    def midstream_error(self) -> list[str]:
+        error = self.prefix + '"error":' + _dumps(MIDSTREAM_ERROR)
+        error += ',"choices":[{"index":0,"delta":{"content":""},"finish_reason":"error"}]}\n\n'
+        return self.frames(self.deltas[: len(self.deltas) // 2], [error])
+
+    def first_half(self) -> list[str]:
+        return self.frames(self.deltas[: len(self.deltas) // 2], [])
+
+    def truncated(self) -> list[str]:
+        """Half the deltas, then half of the next data line: the connection ends with no finish and no [DONE]."""
+        half = len(self.deltas) // 2
+        following = self.deltas[half] if half < len(self.deltas) else self.finish
+        return self.frames(self.deltas[:half], [following[: len(following) // 2]])
+
+
+def stream_frames(meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any] | None, key: str) -> StreamFrames:
+    prefix = (
+        f'data: {{"id":{_dumps(meta.id)},"provider":{_dumps(meta.provider)},"model":{_dumps(meta.model)},'
+        f'"object":"chat.completion.chunk","created":{meta.created},'
+    )
+    n_reasoning, n_content = piece_counts(key)
+    deltas = [
+        f'{prefix}"choices":[{{"index":0,"delta":{{"role":"assistant","reasoning":{_dumps(piece)}}},'
+        '"finish_reason":null}]}\n\n'
+        for piece in split_pieces(answer.reasoning, n_reasoning)
+    ]
+    deltas += [
+        f'{prefix}"choices":[{{"index":0,"delta":{{"content":{_dumps(piece)}}},"finish_reason":null}}]}}\n\n'
+        for piece in split_pieces(answer.content, n_content)
+    ]
+    reason = _dumps(answer.finish)
+    finish = (
+        f'{prefix}"choices":[{{"index":0,"delta":{{}},"finish_reason":{reason},"native_finish_reason":{reason}}}]}}\n\n'
+    )
+    tail = None if usage_ is None else f'{prefix}"choices":[],"usage":{_dumps(usage_)}}}\n\n'
+    return StreamFrames(prefix, deltas, finish, tail)
