@@ -84,7 +84,14 @@ def build_parts(run_dir: Path, tokenizer: Any, samples: int, parts: int, seed: i
             reasoning_words = int(total_words * rng.uniform(0.3, 0.7))
             source = {"source_file": "synthetic", "source_row": i}
             prompts.append(
-                {"sample_id": sid, "dataset": DATASET, **source, "messages": messages, "prompt_id": sid, "sample_index": 0}
+                {
+                    "sample_id": sid,
+                    "dataset": DATASET,
+                    **source,
+                    "messages": messages,
+                    "prompt_id": sid,
+                    "sample_index": 0,
+                }
             )
             row: dict[str, Any] = {name: None for name in RESPONSES.names}
             row.update(
