@@ -130,3 +130,24 @@ def test_bundled_demo_data_has_the_planted_bad_rows(tmp_path: Path) -> None:
     assert result.datasets["B3"].quarantined == 2
     assert result.datasets["B1"].kept == 48
     assert result.datasets["B3"].kept == 32
+
+
+def test_samples_per_prompt_adds_samples_and_never_renames_the_first(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "b1.jsonl", GOOD)
+    cfg = make_cfg(tmp_path, [{"name": "B1", "path": path}], per_shard=100)
+    prepare_datasets(cfg)
+    one = pa.concat_tables([read_part(r) for r in done_parts(cfg.run_dir, "prompts")])
+    assert one["sample_id"].to_pylist() == one["prompt_id"].to_pylist()
+    assert set(one["sample_index"].to_pylist()) == {0}
+
+    three = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"samples_per_prompt": 3})})
+    result = prepare_datasets(three)
+    assert result.datasets["B1"].new == 12 and result.datasets["B1"].already_prepared == 6
+    table = pa.concat_tables([read_part(r) for r in done_parts(cfg.run_dir, "prompts")])
+    assert table.num_rows == 18 and len(set(table["sample_id"].to_pylist())) == 18
+    by_prompt: dict[str, list[int]] = {}
+    for row in table.select(["prompt_id", "sample_index"]).to_pylist():
+        by_prompt.setdefault(row["prompt_id"], []).append(row["sample_index"])
+    assert len(by_prompt) == 6 and all(sorted(v) == [0, 1, 2] for v in by_prompt.values())
+    assert set(one["sample_id"].to_pylist()) <= set(table["sample_id"].to_pylist())
+    assert prepare_datasets(three).reused
