@@ -44,6 +44,8 @@ test-interop: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests/test_export_trainers.py tests/test_extract_sglang_api.py
 
 bench: $(STAMP)
+	$(BIN)/python bench/client_throughput.py
+	$(BIN)/python bench/makespan.py
 	$(BIN)/python bench/reconstruct_throughput.py
 	$(BIN)/python bench/extract_throughput.py
 
