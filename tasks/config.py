@@ -214,6 +214,8 @@ class PipelineConfig(StrictModel):
             )
         if ep.stream and ep.kind != "openai_chat":
             raise ValueError("endpoint.stream applies to openai_chat endpoints only")
+        if ep.reconcile_cost and ep.kind != "openai_chat":
+            raise ValueError("endpoint.reconcile_cost reads OpenRouter's /generation records: openai_chat only")
         return self
 
     @property

@@ -245,6 +245,7 @@ class EndpointClient:
         self.budget = budget or Budget(ep.max_cost_usd, 0.0)
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
+        self._fatal: FatalEndpointError | None = None
 
     async def __aenter__(self) -> EndpointClient:
         ep = self.cfg.endpoint
@@ -325,7 +326,9 @@ class EndpointClient:
             self.budget.settle(worst, result.cost_usd or 0.0)
             cost += result.cost_usd or 0.0
             latency = time.perf_counter() - started
-            if ep.reconcile_cost and result.generation_id:
+            # /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of
+            # 404 retries per sample.
+            if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
                 result.billed_cost_usd = await self._lookup_cost(result.generation_id)
             return SampleOutcome(result, None, None, attempt, latency, retries, cost)
 
@@ -333,10 +336,16 @@ class EndpointClient:
         if self._session is None:
             raise RuntimeError("EndpointClient used outside 'async with'")
         seq = await self.window.acquire()
+        if self._fatal is not None:
+            self.window.release()
+            raise FatalEndpointError(str(self._fatal))
         self.requests_sent += 1
         try:
             async with self._session.post(request.url, json=request.payload) as resp:
                 status, headers = resp.status, resp.headers
+                if status in RATE_LIMIT_STATUS and (status != 402 or "Retry-After" in headers):
+                    # Before the slot is released: otherwise a waiter takes it under the limit that just failed.
+                    self.window.on_rate_limited(seq, parse_retry_after(headers.get("Retry-After")))
                 if status == 200 and resp.content_type == "text/event-stream":
                     body = await self._read_stream(resp)
                     raw = b""
@@ -351,7 +360,7 @@ class EndpointClient:
             self.window.release()
         if status != 200:
             snippet = self.redact(raw.decode("utf-8", errors="replace"))[:ERROR_SNIPPET_CHARS]
-            self._classify_status(status, headers.get("Retry-After"), snippet, request.url, seq)
+            self._classify_status(status, headers.get("Retry-After"), snippet, request.url)
         if body is None:
             body = self._json_body(raw)
         if body.get("error"):
@@ -415,8 +424,8 @@ class EndpointClient:
                 "empty_reasoning", "answer has no reasoning (endpoint.require_reasoning)", billed=billed
             )
 
-    def _classify_status(self, status: int, retry_after: str | None, snippet: str, url: str, seq: int) -> None:
-        """Raise the error class `status` belongs to."""
+    def _classify_status(self, status: int, retry_after: str | None, snippet: str, url: str) -> None:
+        """Raise the error class `status` belongs to; a run-fatal one also stops every later send."""
         wait = parse_retry_after(retry_after)
         if status in RUN_FATAL_STATUS or (status == 402 and retry_after is None):
             what = {401: "unauthorized", 402: "payment required", 403: "forbidden", 404: "not found"}[status]
@@ -425,12 +434,11 @@ class EndpointClient:
                 if status == 404
                 else "check endpoint.api_key / endpoint.api_key_env and the account's credit"
             )
-            raise FatalEndpointError(
+            self._fatal = FatalEndpointError(
                 f"endpoint {url} answered HTTP {status} ({what}): {snippet!r}. No request can succeed, so "
                 f"the run stops; {hint}. Finished samples are committed; a rerun resumes."
             )
-        if status in RATE_LIMIT_STATUS:
-            self.window.on_rate_limited(seq, wait)
+            raise self._fatal
         if status in RETRYABLE_STATUS or status >= 500 or status == 402:
             raise RetryableError(f"http_{status}", f"HTTP {status}: {snippet}", wait)
         if status in (400, 413) and any(hint in snippet.lower() for hint in CONTEXT_LENGTH_HINTS):
