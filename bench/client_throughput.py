@@ -24,8 +24,9 @@ round to round (raw, project, project, raw, ...) so linear drift of a shared mac
 Reported per C, as the mean over rounds: req/s, CPU seconds per 1,000 requests (client process, user +
 system), the share of that spent in the cyclic garbage collector (wall time inside collections), peak RSS
 during the measurement (and at its start), the simulator's CPU seconds, and failures (any failure makes the
-exit status non-zero). `--gc-freeze` is an experiment: both clients call `gc.freeze()` after their imports,
-so full collections stop rescanning the ~230k objects that importing transformers leaves. `--profile` adds one
+exit status non-zero). Both clients call `gc.freeze()` after their imports, as `generate_parts` does for the
+duration of a run, so full collections stop rescanning the ~230k objects that importing transformers leaves;
+`--no-gc-freeze` measures both without it. `--profile` adds one
 cProfile run of each client at the first C and prints the top functions by own time to stderr (collector
 pauses are charged to whichever function happens to allocate, so read them next to the GC share).
 
@@ -240,10 +241,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: C = 200 and 400, 0.5 s latency, 1 round")
     parser.add_argument("--profile", action="store_true", help="add one cProfile run per client at the first C")
     parser.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="experiment: gc.freeze() in both clients after imports (full collections skip the import heap)",
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="do not gc.freeze() the import heap in either client (generate_parts freezes it during a run)",
     )
+    parser.add_argument("--gc-freeze", dest="gc_freeze", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)

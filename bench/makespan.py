@@ -25,7 +25,7 @@ far too little to delay any request measurably.
 
 The stage runs in a fresh child process with generous timeouts and the default commit settings; its CPU
 seconds, the part of them spent in the cyclic garbage collector, and its peak RSS are reported alongside.
-`--gc-freeze` (experiment) calls `gc.freeze()` in that process before the stage; `--profile` prints a cProfile
+`--profile` prints a cProfile
 of the stage to stderr (the profiler slows it, so the ratio of such a run means little).
 
     python bench/makespan.py            # 20,000 requests, 40 parts, C = 2,000 (about 1.5 minutes)
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import heapq
 import io
 import math
@@ -144,9 +143,6 @@ def child(args: argparse.Namespace) -> None:
         connect_timeout_s=120.0,
     )
     refs = [PartRef(args.run_dir, "prompts", part) for part in range(args.parts)]
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
     profiler = cProfile.Profile() if args.profile_child else None
     with GcTimer() as gc_time:
         cpu, started = self_cpu_s(), time.perf_counter()
@@ -183,11 +179,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reasoning-words", type=int, nargs=2, default=[2, 8], metavar=("MIN", "MAX"))
     parser.add_argument("--content-words", type=int, nargs=2, default=[1, 4], metavar=("MIN", "MAX"))
     parser.add_argument("--quick", action="store_true", help="smoke run: 2,000 requests, 8 parts, C = 200, mu 0")
-    parser.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="experiment: gc.freeze() in the stage process after imports (full collections skip the import heap)",
-    )
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the stage (slows it; the ratio is then not meaningful)"
     )
@@ -235,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
             sim_cpu = sim.cpu_s()
             cmd = ["--child", "--run-dir", str(run_dir), "--base-url", sim.base_url, "--model-dir", str(model_dir)]
             cmd += ["--concurrency", str(args.concurrency), "--parts", str(args.parts)]
-            cmd += ["--gc-freeze"] if args.gc_freeze else []
             cmd += ["--profile-child"] if args.profile else []
             timeout = 600.0 + 20 * mean_latency * args.requests / args.concurrency
             stage = run_child(SCRIPT, cmd, timeout)
@@ -265,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
         "stage_cpu_s": stage["cpu_s"],
         "stage_gc_s": stage["gc_s"],
         "stage_gc_collections": stage["gc_collections"],
-        "gc_freeze": args.gc_freeze,
         "stage_peak_rss_mib": stage["peak_rss_mib"],
         "sim_cpu_s": sim_cpu,
         "sim_cpu_util": sim_cpu / measured,
