@@ -22,7 +22,7 @@ from tasks.config import PipelineConfig, apply_overrides, load_config
 
 
 class RunParameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     config_path: str | None = Field(default=None, description="YAML config file, as seen from the worker.")
     config: dict[str, Any] | None = Field(

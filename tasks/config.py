@@ -21,7 +21,9 @@ DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # hide_input_in_errors: a validation error would otherwise quote the endpoint mapping, key included, into
+    # Prefect's state message, logs and failure artifact.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, hide_input_in_errors=True)
 
 
 class DatasetConfig(StrictModel):

@@ -178,8 +178,9 @@ def _load_part(prompts: PartRef) -> _PartState:
                 merge_row(rows, row)
     cdir = chunk_dir(out.run_dir, out.part)
     chunks = chunk_paths(out.run_dir, out.part)
-    for stale in cdir.glob(".chunk-*.tmp") if cdir.is_dir() else []:
-        stale.unlink(missing_ok=True)
+    stale = [*out.path.parent.glob(f".{out.path.name}.*.tmp"), *out.marker.parent.glob(f".{out.marker.name}.*.tmp")]
+    for path in [*stale, *(cdir.glob(".chunk-*.tmp") if cdir.is_dir() else [])]:
+        path.unlink(missing_ok=True)
     for path in chunks:
         for row in read_chunk(path):
             if row["sample_id"] in items:
@@ -530,6 +531,7 @@ def generate_parts(
         if not state.todo and (state.has_chunks or not state.was_done):
             _finalize(state, provenance)
         elif not state.todo:
+            shutil.rmtree(state.chunk_dir, ignore_errors=True)  # a kill during the last cleanup left it
             state.finalized = True
     budget = Budget(cfg.endpoint.max_cost_usd, _spent_usd(states))
     summary = GenerateSummary(parts=[s.summary for s in states], spent_usd=budget.spent_usd)
