@@ -22,6 +22,8 @@ import pytest  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 from endpoint_sim.assets import build_tiny_model_dir, write_tokenizer_dir  # noqa: E402
+from endpoint_sim.responder import Responder, SimConfig  # noqa: E402
+from endpoint_sim.server import SimulatorServer  # noqa: E402
 from tasks.config import TokenizerConfig  # noqa: E402
 from tasks.tokenizer_loading import load_tokenizer  # noqa: E402
 
@@ -43,6 +45,28 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     """The demo tokenizer (DeepSeek-V4 tokenizer.json + DeepSeek-V3.1-thinking template), loaded once."""
     return load_tokenizer(TokenizerConfig(path=tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def local(tokenizer_dir: Path) -> Responder:
+    """An independent responder in the test thread: predicts what the simulator must answer."""
+    return Responder(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
+    """One simulator per test module, on 127.0.0.1."""
+    with SimulatorServer(tokenizer_dir, SimConfig()) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def sim(server: SimulatorServer, local: Responder) -> SimulatorServer:
+    """Baseline knobs and fresh attempt counters, so every test's failure schedule starts at attempt 1."""
+    server.update_config(SimConfig())
+    server.reset_stats()
+    local.update_config(SimConfig())
+    return server
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +28,6 @@ from tasks.tokenizer_loading import render_prompt_ids
 EOS = "<｜end▁of▁sentence｜>"
 MARKERS = CompletionMarkers(reasoning_close=REASONING_CLOSE, end_of_turn=EOS)
 BASELINE = SimConfig()
-
-
-@pytest.fixture(scope="module")
-def local(tokenizer_dir: Path) -> Responder:
-    return Responder(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
-    with SimulatorServer(tokenizer_dir, BASELINE) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def sim(server: SimulatorServer, local: Responder) -> SimulatorServer:
-    server.update_config(BASELINE)
-    local.update_config(BASELINE)
-    return server
 
 
 def make_cfg(run_dir: Path, sim: SimulatorServer, model_dir: Path, **endpoint: Any) -> PipelineConfig:

@@ -12,7 +12,6 @@ import asyncio
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,26 +43,6 @@ CHAT_MODES = ("chat", "stream")
 PRICE_PROMPT, PRICE_COMPLETION = 1.0, 3.0
 
 Messages = list[dict[str, Any]]
-
-
-@pytest.fixture(scope="module")
-def local(tokenizer_dir: Path) -> Responder:
-    return Responder(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
-    with SimulatorServer(tokenizer_dir, BASELINE) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def sim(server: SimulatorServer, local: Responder) -> SimulatorServer:
-    """Baseline knobs and fresh attempt counters, so every test's schedule starts at attempt 1."""
-    server.update_config(BASELINE)
-    server.reset_stats()
-    local.update_config(BASELINE)
-    return server
 
 
 def make_cfg(

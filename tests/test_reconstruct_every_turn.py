@@ -13,7 +13,6 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from tasks.completion_format import PRESETS, completion_text
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, ReconstructConfig, TokenizerConfig
 from tasks.errors import ReconstructionError
 from tasks.messages import Message, prompt_messages, sample_id
 from tasks.multiturn import ConversationTurn, template_messages
@@ -22,21 +21,11 @@ from tasks.schemas import PROMPTS, RESPONSES
 from tasks.shards import PartRef, read_part, write_part
 from tasks.tokenizer_loading import render_prompt, render_prompt_ids
 from tasks.validate import validate_part
+from tests.test_reconstruct import DATASET, make_cfg
 
 DEMO = PRESETS["deepseek_v31_thinking"]
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-DATASET = "demo"
-
-
-def make_cfg(run_dir: Path, tokenizer_dir: Path, **reconstruct: bool) -> PipelineConfig:
-    return PipelineConfig(
-        run_dir=run_dir,
-        datasets=[DatasetConfig(name=DATASET, path=run_dir / "in.jsonl")],
-        endpoint=EndpointConfig(model="tiny"),
-        tokenizer=TokenizerConfig(path=tokenizer_dir),
-        reconstruct=ReconstructConfig(**reconstruct),
-    )
 
 
 def sid_of(conv: list[Message]) -> str:

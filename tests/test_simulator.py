@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +19,6 @@ from tasks.tokenizer_loading import render_prompt_ids
 
 EOS = "<｜end▁of▁sentence｜>"
 BASELINE = SimConfig()
-
-
-@pytest.fixture(scope="module")
-def local(tokenizer_dir: Path) -> Responder:
-    """An independent responder in the test thread: predicts what the server must answer."""
-    return Responder(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
-    with SimulatorServer(tokenizer_dir, BASELINE) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def sim(server: SimulatorServer) -> SimulatorServer:
-    server.update_config(BASELINE)
-    return server
 
 
 def chat(sim: SimulatorServer, content: str, **extra: Any) -> httpx.Response:

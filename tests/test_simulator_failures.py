@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,23 +28,6 @@ from endpoint_sim.server import SimulatorServer
 
 BASELINE = SimConfig()
 API_KEY = "sk-or-v1-secret-key-1234567890"
-
-
-@pytest.fixture(scope="module")
-def local(tokenizer_dir: Path) -> Responder:
-    return Responder(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def server(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
-    with SimulatorServer(tokenizer_dir, BASELINE) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def sim(server: SimulatorServer) -> SimulatorServer:
-    server.update_config(BASELINE)
-    return server
 
 
 def messages(content: str) -> list[dict[str, str]]:
