@@ -240,7 +240,7 @@ def test_in_process_generate_logs_and_stores_no_key(
     caplog.set_level(logging.DEBUG)
     config = write_config(tmp_path, echoing.base_url, tokenizer_dir)
     found: list[str] = []
-    for cap in (0.012, None):
+    for cap in (0.004, None):
         summary, _ = generate_without_prefect(load_config(config, {"endpoint.max_cost_usd": cap}))
         found += leaks(json.dumps(summary.to_dict()), "summary") + tree_leaks(tmp_path / "run")
         if cap is not None:

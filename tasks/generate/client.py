@@ -197,8 +197,13 @@ class AdaptiveWindow:
 
 
 class Budget:
-    """Spend against `max_cost_usd`: a request starts only if its worst case still fits beside everything
-    already spent and every other in-flight worst case, so the cap cannot be crossed by answers in flight."""
+    """Spend against `max_cost_usd`: a request starts only if its worst case fits beside everything already
+    spent and every in-flight worst case, so answers in flight can never carry the spend over the cap.
+
+    A request that does not fit waits (FIFO) for in-flight requests to settle at their real, smaller cost; the
+    run stops only when the first waiter still does not fit with nothing left in flight to free room. So the
+    cap is used up to one worst case, never crossed.
+    """
 
     def __init__(self, cap_usd: float | None, spent_before_usd: float) -> None:
         self.cap_usd = cap_usd
@@ -206,22 +211,60 @@ class Budget:
         self.spent_usd = spent_before_usd
         self.reserved_usd = 0.0
         self.stopped = False
+        self._waiters: deque[tuple[asyncio.Future[None], float]] = deque()
 
-    def reserve(self, amount: float) -> None:
+    def _fits(self, amount: float) -> bool:
+        return self.cap_usd is None or self.spent_usd + self.reserved_usd + amount <= self.cap_usd
+
+    def _exhausted(self, amount: float) -> BudgetExhausted:
+        return BudgetExhausted(
+            f"spent ${self.spent_usd:.4f} + next request's worst case ${amount:.4f} would cross "
+            f"max_cost_usd ${self.cap_usd:.4f}"
+        )
+
+    async def reserve(self, amount: float) -> None:
         if self.cap_usd is None:
             return
-        if self.stopped or self.spent_usd + self.reserved_usd + amount > self.cap_usd:
-            self.stopped = True
-            raise BudgetExhausted(
-                f"spent ${self.spent_usd:.4f} + in flight ${self.reserved_usd:.4f} + next ${amount:.4f} "
-                f"would cross max_cost_usd ${self.cap_usd:.4f}"
-            )
-        self.reserved_usd += amount
+        if self.stopped:
+            raise self._exhausted(amount)
+        if not self._waiters and self._fits(amount):
+            self.reserved_usd += amount
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((fut, amount))
+        self._admit_waiters()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.reserved_usd = max(0.0, self.reserved_usd - amount)
+            raise
+
+    def _admit_waiters(self) -> None:
+        while self._waiters:
+            fut, amount = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+            elif self._fits(amount):
+                self._waiters.popleft()
+                self.reserved_usd += amount
+                fut.set_result(None)
+            elif self.reserved_usd <= 0.0:
+                self.stopped = True
+                while self._waiters:
+                    waiter, need = self._waiters.popleft()
+                    if not waiter.done():
+                        waiter.set_exception(self._exhausted(need))
+            else:
+                return
 
     def settle(self, reserved: float, billed: float) -> None:
+        self.spent_usd += billed
         if self.cap_usd is not None:
             self.reserved_usd = max(0.0, self.reserved_usd - reserved)
-        self.spent_usd += billed
+            if self.reserved_usd < 1e-12:
+                self.reserved_usd = 0.0
+            self._admit_waiters()
 
 
 class EndpointClient:
@@ -297,7 +340,7 @@ class EndpointClient:
         retries: list[str] = []
         while True:
             try:
-                self.budget.reserve(worst)
+                await self.budget.reserve(worst)
             except BudgetExhausted as exc:
                 return SampleOutcome(None, "budget", str(exc), attempt, None, retries, cost, budget_stopped=True)
             attempt += 1

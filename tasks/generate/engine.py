@@ -462,6 +462,10 @@ async def _generate_async(
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
+            for task in running:  # answers that arrived beside the error are paid for: keep them
+                if not task.cancelled() and task.exception() is None:
+                    with contextlib.suppress(Exception):
+                        run.record(*task.result())
             run.commit_now()
             raise
         finally:
