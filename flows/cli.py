@@ -65,6 +65,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     with show_progress(enabled=not args.no_progress):
         stats = pipeline(run)
     print(json.dumps({k: stats[k] for k in ("run_dir", "wall_s")}, indent=2))
+    if stats.get("stopped") == "budget":
+        spent = stats["generate"]["total"]["run_dir_spent_usd"]
+        print(f"stopped at the cost cap after generate (${spent:.4f} spent); raise endpoint.max_cost_usd and rerun")
+        return EXIT_BUDGET
     return 0
 
 
