@@ -51,7 +51,11 @@ def test_automations_parse_with_prefects_model() -> None:
         sys.path.pop(0)
     block_id = str(uuid.uuid4())
     automations = load_automations(REPO / "deployments" / "automations.yaml", block_id)
-    assert [a.name for a in automations] == ["eagle3 flow run failed", "eagle3 gpu pool has no worker"]
+    assert [a.name for a in automations] == [
+        "eagle3 flow run failed",
+        "eagle3 run stopped at its cost cap",
+        "eagle3 gpu pool has no worker",
+    ]
     assert all(str(a.actions[0].model_dump()["block_document_id"]) == block_id for a in automations)
 
 
