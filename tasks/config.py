@@ -106,6 +106,18 @@ class EndpointConfig(StrictModel):
         default=False, description="An answer with empty reasoning is retried (reasoning models that must think)."
     )
     progress_every_s: float = Field(default=2.0, gt=0, description="How often progress listeners are called.")
+    outage_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Transport failures (refused, reset, timeout, 502-504) after this long without any successful "
+        "answer do not use up a sample's attempts: the endpoint is down, not the sample.",
+    )
+    outage_abort_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="After this long without any successful answer the run stops, resumably (EndpointUnavailable"
+        "Error: Prefect retries the task, the CLI exits 1); nothing is marked failed for the outage.",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -216,6 +228,8 @@ class PipelineConfig(StrictModel):
             )
         if ep.stream and ep.kind != "openai_chat":
             raise ValueError("endpoint.stream applies to openai_chat endpoints only")
+        if ep.outage_abort_s < ep.outage_grace_s:
+            raise ValueError("endpoint.outage_abort_s must be >= endpoint.outage_grace_s")
         if ep.reconcile_cost and ep.kind != "openai_chat":
             raise ValueError("endpoint.reconcile_cost reads OpenRouter's /generation records: openai_chat only")
         return self

@@ -30,7 +30,7 @@ import aiohttp
 from transformers import PreTrainedTokenizerBase
 
 from tasks.config import PipelineConfig
-from tasks.errors import FatalEndpointError
+from tasks.errors import EndpointUnavailableError, FatalEndpointError
 from tasks.generate.endpoints import (
     CompletionMarkers,
     EndpointRequest,
@@ -49,6 +49,8 @@ RATE_LIMIT_STATUS = frozenset({429, 402})
 RETRY_AFTER_CAP_S = 3600.0
 ERROR_SNIPPET_CHARS = 300
 RETRYABLE_FINISH = frozenset({"error", "abort"})
+# Failures that say the endpoint as a whole is unreachable or overloaded, not that this sample is bad.
+OUTAGE_REASONS = frozenset({"connection", "timeout", "http_502", "http_503", "http_504"})
 CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "context window", "too many tokens")
 # Window regrowth per healthy answer: from half of 2,000 back to 2,000 in ~4,000 answers (seconds at full rate).
 GROWTH_PER_SUCCESS = 0.25
@@ -289,10 +291,12 @@ class EndpointClient:
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
         self._fatal: FatalEndpointError | None = None
+        self._last_success = time.monotonic()
 
     async def __aenter__(self) -> EndpointClient:
         ep = self.cfg.endpoint
         ensure_open_files(ep.max_in_flight + 256)
+        self._last_success = time.monotonic()
         headers = {"Content-Type": "application/json"}
         if self._key:
             headers["Authorization"] = f"Bearer {self._key}"
@@ -335,7 +339,7 @@ class EndpointClient:
         ep = self.cfg.endpoint
         request = build_request(self.cfg, messages, self.tokenizer, sample_index)
         worst = self.worst_case_usd(request, messages) if self.budget.cap_usd is not None else 0.0
-        attempt = 0
+        attempt = charged = 0
         cost = 0.0
         retries: list[str] = []
         while True:
@@ -354,11 +358,13 @@ class EndpointClient:
                 billed = worst if exc.billed is None else exc.billed
                 self.budget.settle(worst, billed)
                 cost += billed
-                if attempt >= ep.max_attempts:
+                outage = exc.reason in OUTAGE_REASONS and self._outage_check(request.url, exc)
+                charged += not outage
+                if charged >= ep.max_attempts:
                     message = f"gave up after {attempt} attempts: {exc}"
                     return SampleOutcome(None, exc.reason, message, attempt, None, retries, cost)
                 retries.append(exc.reason)
-                delay = backoff_delay(attempt, ep.backoff_base_s, ep.backoff_max_s, self.rng)
+                delay = backoff_delay(attempt if outage else charged, ep.backoff_base_s, ep.backoff_max_s, self.rng)
                 if exc.retry_after_s is not None:
                     delay = exc.retry_after_s + self.rng.uniform(0.0, min(ep.backoff_base_s, ep.backoff_max_s))
                 await asyncio.sleep(delay)
@@ -374,6 +380,19 @@ class EndpointClient:
             if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
                 result.billed_cost_usd = await self._lookup_cost(result.generation_id)
             return SampleOutcome(result, None, None, attempt, latency, retries, cost)
+
+    def _outage_check(self, url: str, exc: RetryableError) -> bool:
+        """True when a transport failure should not use up the sample's attempts, because nothing has answered
+        for `outage_grace_s`; raises `EndpointUnavailableError` once that lasts `outage_abort_s`, so an outage
+        stops the run (resumably) instead of turning every sample into a failed row."""
+        ep = self.cfg.endpoint
+        silent_s = time.monotonic() - self._last_success
+        if silent_s >= ep.outage_abort_s:
+            raise EndpointUnavailableError(
+                f"no successful answer from {url} for {silent_s:.0f} s (last error: {exc}); the endpoint is down. "
+                "Committed results are kept and nothing was marked failed for the outage; rerun to resume."
+            )
+        return silent_s >= ep.outage_grace_s
 
     async def _send(self, request: EndpointRequest) -> GenerationResult:
         if self._session is None:
@@ -415,6 +434,7 @@ class EndpointClient:
             raise RetryableError("malformed_response", self.redact(str(exc)), billed=None) from exc
         self._check_answer(result)
         self.window.on_success()
+        self._last_success = time.monotonic()
         return result
 
     def _json_body(self, raw: bytes) -> dict[str, Any]:
