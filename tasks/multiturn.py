@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from tasks.completion_format import REASONING_KEYS, CompletionFormat, completion_layout, loss_mask_values
 from tasks.errors import ConfigError
 from tasks.tokenizer_backend import backend_for
+from tasks.tokenizer_loading import template_message
 
 SENTINEL = "RegeneratedSpanSentinelQx7"
 
@@ -64,15 +65,12 @@ class MultiturnSequence:
 
 
 def template_messages(turns: Sequence[ConversationTurn]) -> list[dict[str, Any]]:
-    """Chat-template messages of `turns`: an assistant turn's reasoning under every key templates read it from
-    (the request an engine renders must carry it the same way, or its context differs from ours)."""
-    out: list[dict[str, Any]] = []
-    for t in turns:
-        message: dict[str, Any] = {"role": t["role"], "content": t.get("content") or ""}
-        if t["role"] == "assistant" and t.get("reasoning"):
-            message.update({key: t["reasoning"] for key in REASONING_KEYS})
-        out.append(message)
-    return out
+    """Chat-template messages of `turns`, shaped as `render_prompt` shapes them (an assistant turn's reasoning
+    under every key templates read it from), so the request an engine renders has our context exactly."""
+    return [
+        template_message({"role": t["role"], "content": t.get("content") or "", "reasoning": t.get("reasoning")})
+        for t in turns
+    ]
 
 
 def _render(

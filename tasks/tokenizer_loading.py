@@ -116,7 +116,7 @@ def tokenizer_provenance(cfg: TokenizerConfig) -> dict[str, Any]:
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """Role and content, plus the reasoning of the target's own earlier answers (every_turn history) under every
     key a template may read it from, so a template that shows earlier reasoning renders what the server saw."""
     out: dict[str, Any] = {"role": message["role"], "content": message["content"]}
@@ -136,7 +136,7 @@ def render_prompt(
     `reasoning_effort`): they change the generation prompt, so they must be the same here and there.
     """
     text = tokenizer.apply_chat_template(
-        [_template_message(m) for m in messages],
+        [template_message(m) for m in messages],
         tokenize=False,
         add_generation_prompt=True,
         **dict(template_kwargs or {}),
