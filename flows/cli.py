@@ -66,8 +66,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         stats = pipeline(run)
     print(json.dumps({k: stats[k] for k in ("run_dir", "wall_s")}, indent=2))
     if stats.get("stopped") == "budget":
+        from tasks.generate.engine import budget_stop_message
+
         spent = stats["generate"]["total"]["run_dir_spent_usd"]
-        print(f"stopped at the cost cap after generate (${spent:.4f} spent); raise endpoint.max_cost_usd and rerun")
+        print(budget_stop_message(spent, stats["config"]["endpoint"]["max_cost_usd"]), file=sys.stderr)
         return EXIT_BUDGET
     return 0
 
@@ -197,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tasks.config import load_config
     from tasks.errors import ConfigError, DatagenError, EndpointUnavailableError, FatalEndpointError
     from tasks.generate.dataset_summary import dataset_rows
-    from tasks.generate.progress import format_usd
+    from tasks.generate.engine import budget_stop_message
     from tasks.generate.progress_display import show_progress
 
     try:
@@ -219,13 +221,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(json.dumps(summary.total(), default=str), flush=True)
     if summary.stopped != "budget":
         return 0
-    cap = cfg.endpoint.max_cost_usd
     print(
-        f"stopped at the budget cap: {format_usd(summary.spent_usd)} spent in {cfg.run_dir} of "
-        f"endpoint.max_cost_usd={format_usd(cap)} (each request reserves its worst case, max_tokens at the "
-        f"configured price, before it is sent, so the run stops before the spend reaches the cap). "
-        f"Finished samples are committed and will not be sent again; to continue, raise the cap and rerun, "
-        f"e.g. eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
+        f"{budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd)} In {cfg.run_dir}, e.g.: "
+        f"eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
         file=sys.stderr,
     )
     return EXIT_BUDGET

@@ -27,7 +27,7 @@ from tasks.config import PipelineConfig
 from tasks.errors import ExtractDeploymentError
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
-from tasks.generate.engine import generate_parts
+from tasks.generate.engine import budget_stop_message, generate_parts
 from tasks.generate.health import probe_endpoint
 from tasks.prepare import MANIFEST, prepare_datasets
 from tasks.reconstruct import reconstruct_part
@@ -82,7 +82,7 @@ def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[s
     out = summary.to_dict()
     out["datasets"] = publish_generate_summary(cfg, parts)
     if summary.stopped == "budget":
-        get_run_logger().warning(budget_message(cfg, summary.spent_usd))
+        get_run_logger().warning(budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd))
     return out
 
 
@@ -168,23 +168,16 @@ def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]
     return stats
 
 
-def budget_message(cfg: PipelineConfig, spent_usd: float) -> str:
-    return (
-        f"stopped at the cost cap: ${spent_usd:.4f} spent of endpoint.max_cost_usd ${cfg.endpoint.max_cost_usd}; "
-        "every request reserves its worst case, so the cap is never crossed. Finished samples are committed; "
-        "raise endpoint.max_cost_usd and rerun to continue (nothing already done is sent again)."
-    )
-
-
 def _budget_stopped(stats: dict[str, Any]) -> bool:
     return bool(stats.get("total", {}).get("stopped") == "budget")
 
 
 def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     """A run the cost cap ended is not a failure: it completes, named so the UI and automations can tell."""
-    if _budget_stopped(stats.get("generate", stats)):
-        spent = stats.get("generate", stats)["total"]["run_dir_spent_usd"]
-        return Completed(message=budget_message(cfg, spent), name="BudgetStopped", data=stats)
+    generate = stats.get("generate", stats)
+    if _budget_stopped(generate):
+        message = budget_stop_message(generate["total"]["run_dir_spent_usd"], cfg.endpoint.max_cost_usd)
+        return Completed(message=message, name="BudgetStopped", data=stats)
     return stats
 
 

@@ -30,7 +30,7 @@ from tasks.config import PipelineConfig
 from tasks.generate.chunks import STAGE, chunk_dir, chunk_index, chunk_paths, merge_row, read_chunk
 from tasks.generate.client import Budget, EndpointClient, SampleOutcome
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
-from tasks.generate.progress import Listener, ProgressSnapshot, emit
+from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
 from tasks.messages import prompt_messages
 from tasks.multiturn import ConversationTurn, template_messages
 from tasks.schemas import RESPONSES
@@ -399,6 +399,16 @@ class _Run:
                 rows, state.buffer = state.buffer, []
                 _write_chunk(state, rows, self.provenance)
         self.uncommitted = 0
+
+
+def budget_stop_message(spent_usd: float, cap_usd: float | None) -> str:
+    """The one explanation of a budget stop, for the CLI, the Prefect state message and the task log."""
+    return (
+        f"stopped at the budget cap: {format_usd(spent_usd)} spent of endpoint.max_cost_usd={format_usd(cap_usd)} "
+        "(each request reserves its worst case, max_tokens at the configured price, before it is sent, so the "
+        "spend never crosses the cap). Finished samples are committed and will not be sent again; to continue, "
+        "raise endpoint.max_cost_usd and rerun."
+    )
 
 
 def _length_error(result: GenerationResult, max_tokens: int) -> str:
