@@ -548,7 +548,7 @@ def generate_parts(
             shutil.rmtree(state.chunk_dir, ignore_errors=True)  # a kill during the last cleanup left it
             state.finalized = True
     budget = Budget(cfg.endpoint.max_cost_usd, _spent_usd(states))
-    summary = GenerateSummary(parts=[s.summary for s in states], spent_usd=budget.spent_usd)
+    summary = GenerateSummary(parts=[s.summary for s in states])
     pending = [s for s in states if not s.finalized]
     if pending:
         if cfg.endpoint.kind == "sglang_generate" and tokenizer is None:
