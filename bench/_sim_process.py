@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig  # noqa: E402
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig  # noqa: E402
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 120.0

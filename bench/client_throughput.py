@@ -70,9 +70,9 @@ from _sim_process import (
 )
 
 from endpoint_sim.responder import REASONING_CLOSE
+from tasks.common.messages import Message
 from tasks.generate.client import EndpointClient
 from tasks.generate.endpoints import CompletionMarkers, build_request
-from tasks.messages import Message
 
 SCRIPT = Path(__file__).resolve()
 KINDS = ("raw", "project")

@@ -43,13 +43,13 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tasks.config import DatasetConfig, EndpointConfig, ExtractConfig, PipelineConfig, TokenizerConfig  # noqa: E402
+from tasks.common.config import DatasetConfig, EndpointConfig, ExtractConfig, PipelineConfig, TokenizerConfig  # noqa: E402
+from tasks.common.schemas import TOKENS  # noqa: E402
+from tasks.common.shards import PartRef, write_part  # noqa: E402
 from tasks.extract.hf_backend import HFHiddenStateRunner  # noqa: E402
 from tasks.extract.stage import extract_part  # noqa: E402
 from tasks.extract.storage import DATA_DIR, DTYPES, HIDDEN_DIR, ShardSpec, plan_shards  # noqa: E402
 from tasks.extract.writer import HostBatch, ShardStreamWriter  # noqa: E402
-from tasks.schemas import TOKENS  # noqa: E402
-from tasks.shards import PartRef, write_part  # noqa: E402
 
 PRESETS: dict[str, dict[str, int]] = {
     "small": {

@@ -64,10 +64,10 @@ from _sim_process import (
 )
 
 from endpoint_sim.responder import REASONING_CLOSE, SimConfig, request_latency_s
+from tasks.common.messages import Message, sample_id
+from tasks.common.schemas import PROMPTS
+from tasks.common.shards import PartRef, read_part, write_part
 from tasks.generate import CompletionMarkers, generate_parts
-from tasks.messages import Message, sample_id
-from tasks.schemas import PROMPTS
-from tasks.shards import PartRef, read_part, write_part
 
 SCRIPT = Path(__file__).resolve()
 MARKERS = CompletionMarkers(reasoning_close=REASONING_CLOSE, end_of_turn="<｜end▁of▁sentence｜>")

@@ -1,7 +1,7 @@
 """Reconstruct stage throughput (Parquet in, Parquet out) vs raw `tokenizers` `encode_batch` on the same texts.
 
 Both sides run in this process, on the same machine and cores, one after the other, `--repeats` times; the best
-wall time of each is kept. The stage side is `tasks.reconstruct.reconstruct_part` over real prompts/responses
+wall time of each is kept. The stage side is `tasks.reconstruct.stage.reconstruct_part` over real prompts/responses
 parts (chat-template rendering, completion layout, batch encoding with offsets, spans, masks, Parquet write);
 the raw side is `Tokenizer.encode_batch` over the stage's own rendered prompt strings and completion strings.
 Two informative numbers ride along: `encode_batch_fast` (no offsets) over the same texts, and the naive
@@ -28,14 +28,14 @@ from typing import Any
 import pyarrow as pa
 
 from endpoint_sim.assets import write_tokenizer_dir
-from tasks.completion_format import PRESETS, completion_layout
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig
-from tasks.messages import Message, prompt_messages, sample_id
-from tasks.reconstruct import reconstruct_part
-from tasks.schemas import PROMPTS, RESPONSES
-from tasks.shards import PartRef, done_parts, read_part, write_part
-from tasks.tokenizer_backend import backend_for
-from tasks.tokenizer_loading import load_tokenizer, render_prompt
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig
+from tasks.common.messages import Message, prompt_messages, sample_id
+from tasks.common.schemas import PROMPTS, RESPONSES
+from tasks.common.shards import PartRef, done_parts, read_part, write_part
+from tasks.reconstruct.completion_format import PRESETS, completion_layout
+from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.tokenizer_backend import backend_for
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt
 
 FORMAT = PRESETS["deepseek_v31_thinking"]
 DATASET = "bench"

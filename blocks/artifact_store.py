@@ -8,7 +8,7 @@ from pathlib import Path
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from tasks.artifact_store import RunStore
+from tasks.common.artifact_store import RunStore
 
 
 def is_url(location: str) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from tasks.config import ExtractConfig
+from tasks.common.config import ExtractConfig
 
 
 class HiddenStateBackendBlock(Block):

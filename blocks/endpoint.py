@@ -8,7 +8,7 @@ from typing import Any, Literal
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
-from tasks.config import EndpointConfig
+from tasks.common.config import EndpointConfig
 
 
 class InferenceEndpointBlock(Block):

@@ -8,7 +8,7 @@ from typing import Any
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from tasks.config import TokenizerConfig
+from tasks.common.config import TokenizerConfig
 
 
 class TokenizerSourceBlock(Block):

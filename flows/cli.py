@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
-    from tasks.config import PipelineConfig
+    from tasks.common.config import PipelineConfig
     from tasks.generate.engine import GenerateSummary
     from tasks.generate.progress import Listener
 
@@ -106,7 +106,7 @@ def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
 
     console = Console()
     console.print(f"\n[bold]eagle3-datagen demo finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
-    from tasks.report import overview_rows
+    from tasks.validate.report import overview_rows
 
     overview = overview_rows(stats["validation_summary"])
     table = Table(title="validation summary")
@@ -136,12 +136,12 @@ def generate_without_prefect(
     cfg: PipelineConfig, listeners: list[Listener] | None = None
 ) -> tuple[GenerateSummary, list[int]]:
     """prepare + generate as plain calls: what `generate` runs, and what a crash test can kill at any point."""
-    from tasks.completion_format import format_for
+    from tasks.common.shards import PartRef
     from tasks.generate.endpoints import CompletionMarkers
     from tasks.generate.engine import generate_parts
-    from tasks.prepare import prepare_datasets
-    from tasks.shards import PartRef
-    from tasks.tokenizer_loading import load_tokenizer
+    from tasks.prepare.datasets import prepare_datasets
+    from tasks.reconstruct.completion_format import format_for
+    from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
     parts = prepare_datasets(cfg).parts
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -151,7 +151,7 @@ def generate_without_prefect(
 
 
 def _redactor(cfg: PipelineConfig) -> Callable[[object], str]:
-    from tasks.errors import ConfigError
+    from tasks.common.errors import ConfigError
 
     try:
         key = cfg.endpoint.resolved_api_key()
@@ -196,8 +196,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     run (401/402), 1 any other error. No Prefect, so it can run (and be killed) as a plain process."""
     from pydantic import ValidationError
 
-    from tasks.config import load_config
-    from tasks.errors import ConfigError, DatagenError, EndpointUnavailableError, FatalEndpointError
+    from tasks.common.config import load_config
+    from tasks.common.errors import ConfigError, DatagenError, EndpointUnavailableError, FatalEndpointError
     from tasks.generate.dataset_summary import dataset_rows
     from tasks.generate.engine import budget_stop_message
     from tasks.generate.progress_display import show_progress

@@ -25,7 +25,7 @@ from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 from prefect.context import SettingsContext, get_settings_context
 from prefect.utilities.context import get_task_and_flow_run_ids
 
-from tasks.config import PipelineConfig
+from tasks.common.config import PipelineConfig
 from tasks.generate.dataset_summary import dataset_rows
 from tasks.generate.progress import ProgressSnapshot, status_fields, status_line
 

@@ -17,8 +17,8 @@ from blocks.artifact_store import ArtifactStoreBlock
 from blocks.backend import HiddenStateBackendBlock
 from blocks.endpoint import InferenceEndpointBlock
 from blocks.tokenizer import TokenizerSourceBlock
-from tasks.artifact_store import RunStore
-from tasks.config import PipelineConfig, apply_overrides, load_config
+from tasks.common.artifact_store import RunStore
+from tasks.common.config import PipelineConfig, apply_overrides, load_config
 
 
 class RunParameters(BaseModel):

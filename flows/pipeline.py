@@ -21,22 +21,22 @@ from prefect.states import Completed
 from flows.generate_progress import PrefectProgressListener, publish_generate_summary
 from flows.params import RunParameters, in_slice, resolve_run
 from flows.retry_policy import retry_transient
-from tasks.artifact_store import RunStore
-from tasks.completion_format import CompletionFormat, format_for
-from tasks.config import PipelineConfig
-from tasks.errors import ExtractDeploymentError
+from tasks.common.artifact_store import RunStore
+from tasks.common.config import PipelineConfig
+from tasks.common.errors import ExtractDeploymentError
+from tasks.common.schemas import STAGES
+from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import budget_stop_message, generate_parts
 from tasks.generate.health import probe_endpoint
-from tasks.prepare import MANIFEST, prepare_datasets
-from tasks.reconstruct import reconstruct_part
-from tasks.report import artifact_markdown, overview_rows, write_validation_report
-from tasks.schemas import STAGES
-from tasks.shards import PART_RE, PartRef, atomic_write_text, done_parts
-from tasks.special_tokens import format_table, verify_special_tokens
-from tasks.tokenizer_loading import load_tokenizer
-from tasks.validate import check_gates, gate_violations, summarize_validation, validate_part
+from tasks.prepare.datasets import MANIFEST, prepare_datasets
+from tasks.reconstruct.completion_format import CompletionFormat, format_for
+from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
+from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.tokenizer_loading import load_tokenizer
+from tasks.validate.checks import check_gates, gate_violations, summarize_validation, validate_part
+from tasks.validate.report import artifact_markdown, overview_rows, write_validation_report
 
 TASK_OPTIONS: dict[str, Any] = {
     "cache_policy": NO_CACHE,

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from tasks.errors import DatagenError
+from tasks.common.errors import DatagenError
 
 TRANSIENT = (ConnectionError, TimeoutError, aiohttp.ClientError, httpx.TransportError)
 

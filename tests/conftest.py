@@ -24,8 +24,8 @@ from transformers import PreTrainedTokenizerBase  # noqa: E402
 from endpoint_sim.assets import build_tiny_model_dir, write_tokenizer_dir  # noqa: E402
 from endpoint_sim.responder import Responder, SimConfig  # noqa: E402
 from endpoint_sim.server import SimulatorServer  # noqa: E402
-from tasks.config import TokenizerConfig  # noqa: E402
-from tasks.tokenizer_loading import load_tokenizer  # noqa: E402
+from tasks.common.config import TokenizerConfig  # noqa: E402
+from tasks.reconstruct.tokenizer_loading import load_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "flows" / "data"

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from blocks.artifact_store import ArtifactStoreBlock
-from tasks.artifact_store import RunStore
-from tasks.errors import ConfigError
-from tasks.schemas import HIDDEN_STATES_INDEX, PROMPTS
-from tasks.shards import PartRef, atomic_write_bytes, read_part, write_part
+from tasks.common.artifact_store import RunStore
+from tasks.common.errors import ConfigError
+from tasks.common.schemas import HIDDEN_STATES_INDEX, PROMPTS
+from tasks.common.shards import PartRef, atomic_write_bytes, read_part, write_part
 
 ROW = {
     "sample_id": "a",

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from blocks.endpoint import InferenceEndpointBlock
-from tasks.config import EndpointConfig
+from tasks.common.config import EndpointConfig
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -52,7 +52,7 @@ def test_endpoint_block_sets_a_budget_but_never_removes_the_yaml_one() -> None:
 
 def test_tokenizer_and_backend_blocks_convert_to_the_strict_config_sections() -> None:
     from blocks import HiddenStateBackendBlock, TokenizerSourceBlock
-    from tasks.config import ExtractConfig
+    from tasks.common.config import ExtractConfig
 
     tok = TokenizerSourceBlock(
         path="/models/Kimi-K2.5",

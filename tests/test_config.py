@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from flows.retry_policy import is_transient
-from tasks.config import PipelineConfig, load_config
-from tasks.errors import ConfigError, FatalEndpointError, SchemaMismatchError
+from tasks.common.config import PipelineConfig, load_config
+from tasks.common.errors import ConfigError, FatalEndpointError, SchemaMismatchError
 
 BASE = {
     "run_dir": "run",

@@ -21,14 +21,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flows.cli import main
-from tasks.errors import CaptureMismatchError
+from tasks.common.errors import CaptureMismatchError
+from tasks.common.schemas import TOKENS
+from tasks.common.shards import PartRef, read_part, write_part
 from tasks.export import ExportError, export_run
 from tasks.export.progress import MANIFEST
 from tasks.extract.hf_backend import HFHiddenStateRunner
 from tasks.extract.stage import extract_part
 from tasks.extract.storage import HIDDEN_DIR, load_hidden_states
-from tasks.schemas import TOKENS
-from tasks.shards import PartRef, read_part, write_part
 from tests.test_extract import index_rows, loss_mask_for, make_cfg, sample_ids, write_tokens
 
 PART_LENGTHS = {0: [17, 5, 33, 9], 1: [24, 1, 12], 2: []}

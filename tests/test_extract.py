@@ -17,16 +17,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tasks.config import DatasetConfig, EndpointConfig, ExtractConfig, PipelineConfig, TokenizerConfig
-from tasks.errors import CaptureMismatchError, ConfigError, InsufficientSpaceError
+from tasks.common.config import DatasetConfig, EndpointConfig, ExtractConfig, PipelineConfig, TokenizerConfig
+from tasks.common.errors import CaptureMismatchError, ConfigError, InsufficientSpaceError
+from tasks.common.schemas import TOKENS, VALIDATION
+from tasks.common.shards import PartRef, read_part, read_provenance, write_part
 from tasks.extract.capture import CapturedBatch
 from tasks.extract.capture import plan_padded_batches as plan_batches
 from tasks.extract.hf_backend import HFHiddenStateRunner
 from tasks.extract.layers import LayerSelectionError, default_aux_layers, validate_layers
 from tasks.extract.stage import extract_part, make_runner
 from tasks.extract.storage import DATA_DIR, FINAL_KEY, HIDDEN_DIR, estimate_bytes, load_hidden_states
-from tasks.schemas import TOKENS, VALIDATION
-from tasks.shards import PartRef, read_part, read_provenance, write_part
 
 H = 64
 LAYERS = [1, 3, 4]

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tasks.errors import CaptureMismatchError
+from tasks.common.errors import CaptureMismatchError
 from tasks.extract.capture import (
     PASS_COST_FRACTION,
     CapturedBatch,

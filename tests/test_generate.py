@@ -14,16 +14,16 @@ from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.responder import REASONING_CLOSE, FailureRule, Responder, SimConfig, SimSample
 from endpoint_sim.server import SimState, SimulatorServer
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
-from tasks.errors import FatalEndpointError
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
+from tasks.common.errors import FatalEndpointError
+from tasks.common.messages import prompt_messages, sample_id
+from tasks.common.schemas import PROMPTS, RESPONSES
+from tasks.common.shards import PartRef, read_marker, read_part, stage_metadata, write_parquet_atomic, write_part
 from tasks.generate import CompletionMarkers, generate_parts
 from tasks.generate.chunks import chunk_dir
 from tasks.generate.client import backoff_delay, parse_retry_after
 from tasks.generate.endpoints import build_request, endpoint_url, split_completion
-from tasks.messages import prompt_messages, sample_id
-from tasks.schemas import PROMPTS, RESPONSES
-from tasks.shards import PartRef, read_marker, read_part, stage_metadata, write_parquet_atomic, write_part
-from tasks.tokenizer_loading import render_prompt_ids
+from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 EOS = "<｜end▁of▁sentence｜>"
 MARKERS = CompletionMarkers(reasoning_close=REASONING_CLOSE, end_of_turn=EOS)

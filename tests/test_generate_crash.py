@@ -21,9 +21,9 @@ import yaml
 
 from endpoint_sim.responder import FailureRule, Responder, SimConfig, scheduled_failure
 from endpoint_sim.server import SimulatorServer
+from tasks.common.messages import prompt_messages
+from tasks.common.shards import done_parts, read_part
 from tasks.generate.chunks import CHUNKS_DIR, read_chunk
-from tasks.messages import prompt_messages
-from tasks.shards import done_parts, read_part
 from tests.conftest import REPO
 
 PROMPTS = 480

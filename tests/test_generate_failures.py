@@ -23,15 +23,15 @@ from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.responder import REASONING_CLOSE, FailureRule, Responder, SimConfig, scheduled_failure
 from endpoint_sim.server import SimulatorServer
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
-from tasks.errors import FatalEndpointError
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
+from tasks.common.errors import FatalEndpointError
+from tasks.common.messages import prompt_messages, response_sample_id, sample_id
+from tasks.common.schemas import PROMPTS
+from tasks.common.shards import PartRef, read_part, write_part
 from tasks.generate import CompletionMarkers, GenerateSummary, generate_parts
 from tasks.generate.chunks import chunk_paths, read_chunk
 from tasks.generate.client import EndpointClient, SampleOutcome
-from tasks.messages import prompt_messages, response_sample_id, sample_id
-from tasks.schemas import PROMPTS
-from tasks.shards import PartRef, read_part, write_part
-from tasks.tokenizer_loading import render_prompt_ids
+from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 EOS = "<｜end▁of▁sentence｜>"
 MARKERS = CompletionMarkers(reasoning_close=REASONING_CLOSE, end_of_turn=EOS)

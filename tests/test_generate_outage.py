@@ -11,9 +11,9 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.server import SimConfig, SimulatorServer
-from tasks.errors import EndpointUnavailableError
+from tasks.common.errors import EndpointUnavailableError
+from tasks.common.shards import PartRef
 from tasks.generate.chunks import chunk_paths
-from tasks.shards import PartRef
 from tests.test_generate_failures import committed_chunks, make_cfg, question, responses, run, write_prompts
 
 SAMPLES = 6

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import PRESETS, completion_text
-from tasks.multiturn import ConversationTurn, build_multiturn_sequence
-from tasks.tokenizer_loading import render_prompt
+from tasks.reconstruct.completion_format import PRESETS, completion_text
+from tasks.reconstruct.multiturn import ConversationTurn, build_multiturn_sequence
+from tasks.reconstruct.tokenizer_loading import render_prompt
 from tests.fixtures import families as F
 
 CONVERSATION: list[ConversationTurn] = [

@@ -14,8 +14,8 @@ from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.cli import demo_config_path
 from flows.params import RunParameters
 from flows.pipeline import pipeline
+from tasks.common.shards import done_parts, read_part
 from tasks.generate.chunks import chunk_paths, read_chunk
-from tasks.shards import done_parts, read_part
 
 CAP_USD = 0.02
 

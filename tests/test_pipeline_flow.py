@@ -14,10 +14,10 @@ from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.cli import demo_config_path
 from flows.params import RunParameters
 from flows.pipeline import pipeline
-from tasks.config import TokenizerConfig
-from tasks.schemas import STAGES
-from tasks.shards import PartRef, done_parts, read_part
-from tasks.tokenizer_loading import load_tokenizer, render_prompt
+from tasks.common.config import TokenizerConfig
+from tasks.common.schemas import STAGES
+from tasks.common.shards import PartRef, done_parts, read_part
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt
 from tests.conftest import DEMO_DATA
 
 

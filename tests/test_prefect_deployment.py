@@ -21,8 +21,8 @@ import pytest
 
 from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.cli import demo_config_path
-from tasks.schemas import STAGES
-from tasks.shards import done_parts
+from tasks.common.schemas import STAGES
+from tasks.common.shards import done_parts
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).parent / "prefect")

@@ -6,10 +6,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.config import PipelineConfig
-from tasks.messages import sample_id
-from tasks.prepare import prepare_datasets
-from tasks.shards import PartRef, done_parts, read_part
+from tasks.common.config import PipelineConfig
+from tasks.common.messages import sample_id
+from tasks.common.shards import PartRef, done_parts, read_part
+from tasks.prepare.datasets import prepare_datasets
 
 
 def make_cfg(tmp_path: Path, datasets: list[dict[str, object]], per_shard: int = 4) -> PipelineConfig:

@@ -14,12 +14,12 @@ import pyarrow as pa
 import pytest
 from rich.console import Console
 
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig
+from tasks.common.schemas import PROMPTS, RESPONSES
+from tasks.common.shards import PartRef, stage_metadata, write_parquet_atomic, write_part
 from tasks.generate.dataset_summary import dataset_rows
 from tasks.generate.progress import ProgressSnapshot, emit, format_counts, status_fields, status_line
 from tasks.generate.progress_display import ProgressDisplay, render, show_progress
-from tasks.schemas import PROMPTS, RESPONSES
-from tasks.shards import PartRef, stage_metadata, write_parquet_atomic, write_part
 
 RUNNING = ProgressSnapshot(
     elapsed_s=100.0,

@@ -12,16 +12,21 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.assets import write_tokenizer_dir
-from tasks.completion_format import PRESETS, CompletionFormat, completion_layout
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, ReconstructConfig, TokenizerConfig
-from tasks.errors import ReconstructionError, SpecialTokenError
-from tasks.messages import Message, prompt_messages, sample_id
-from tasks.reconstruct import encode_completions, reconstruct_part
-from tasks.schemas import PROMPTS, RESPONSES
-from tasks.shards import PartRef, read_part, read_provenance, write_part
-from tasks.special_tokens import check_special_tokens, format_table, verify_special_tokens
-from tasks.tokenizer_backend import backend_for
-from tasks.tokenizer_loading import load_tokenizer, render_prompt, render_prompt_ids, tokenizer_from_tiktoken
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, ReconstructConfig, TokenizerConfig
+from tasks.common.errors import ReconstructionError, SpecialTokenError
+from tasks.common.messages import Message, prompt_messages, sample_id
+from tasks.common.schemas import PROMPTS, RESPONSES
+from tasks.common.shards import PartRef, read_part, read_provenance, write_part
+from tasks.reconstruct.completion_format import PRESETS, CompletionFormat, completion_layout
+from tasks.reconstruct.special_tokens import check_special_tokens, format_table, verify_special_tokens
+from tasks.reconstruct.stage import encode_completions, reconstruct_part
+from tasks.reconstruct.tokenizer_backend import backend_for
+from tasks.reconstruct.tokenizer_loading import (
+    load_tokenizer,
+    render_prompt,
+    render_prompt_ids,
+    tokenizer_from_tiktoken,
+)
 
 DEMO = PRESETS["deepseek_v31_thinking"]
 EOS = "<｜end▁of▁sentence｜>"

@@ -12,15 +12,15 @@ import pyarrow as pa
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import PRESETS, completion_text
-from tasks.errors import ReconstructionError
-from tasks.messages import Message, prompt_messages, sample_id
-from tasks.multiturn import ConversationTurn, template_messages
-from tasks.reconstruct import reconstruct_part
-from tasks.schemas import PROMPTS, RESPONSES
-from tasks.shards import PartRef, read_part, write_part
-from tasks.tokenizer_loading import render_prompt, render_prompt_ids
-from tasks.validate import validate_part
+from tasks.common.errors import ReconstructionError
+from tasks.common.messages import Message, prompt_messages, sample_id
+from tasks.common.schemas import PROMPTS, RESPONSES
+from tasks.common.shards import PartRef, read_part, write_part
+from tasks.reconstruct.completion_format import PRESETS, completion_text
+from tasks.reconstruct.multiturn import ConversationTurn, template_messages
+from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.tokenizer_loading import render_prompt, render_prompt_ids
+from tasks.validate.checks import validate_part
 from tests.test_reconstruct import DATASET, make_cfg
 
 DEMO = PRESETS["deepseek_v31_thinking"]

@@ -23,9 +23,9 @@ import yaml
 from endpoint_sim.responder import FailureKind, FailureRule, SimConfig
 from endpoint_sim.server import SimulatorServer
 from flows.cli import generate_without_prefect
-from tasks.config import load_config
-from tasks.errors import FatalEndpointError
-from tasks.shards import done_parts, read_part
+from tasks.common.config import load_config
+from tasks.common.errors import FatalEndpointError
+from tasks.common.shards import done_parts, read_part
 from tests.conftest import DEMO_DATA, REPO
 
 KEY_PREFIX = "sk-or-v1-"

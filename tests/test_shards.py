@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.errors import SchemaMismatchError
-from tasks.schemas import PROMPTS
-from tasks.shards import META_VERSION, PartRef, done_parts, read_part, read_provenance, write_part
+from tasks.common.errors import SchemaMismatchError
+from tasks.common.schemas import PROMPTS
+from tasks.common.shards import META_VERSION, PartRef, done_parts, read_part, read_provenance, write_part
 
 ROW = {
     "sample_id": "a",

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from endpoint_sim.__main__ import parse_args
 from endpoint_sim.responder import REASONING_CLOSE, FailureRule, Responder, SimConfig
 from endpoint_sim.server import SimState, SimulatorServer
-from tasks.tokenizer_loading import render_prompt_ids
+from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 EOS = "<｜end▁of▁sentence｜>"
 BASELINE = SimConfig()

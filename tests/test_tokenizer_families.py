@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import (
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig, ValidationConfig
+from tasks.common.errors import ConfigError, SpecialTokenError
+from tasks.reconstruct.completion_format import (
     PRESETS,
     SENTINEL_CONTENT,
     SENTINEL_REASONING,
@@ -26,10 +28,8 @@ from tasks.completion_format import (
     format_for,
     resolve_format,
 )
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig, ValidationConfig
-from tasks.errors import ConfigError, SpecialTokenError
-from tasks.special_tokens import check_special_tokens, format_table, verify_special_tokens
-from tasks.tokenizer_loading import render_prompt
+from tasks.reconstruct.special_tokens import check_special_tokens, format_table, verify_special_tokens
+from tasks.reconstruct.tokenizer_loading import render_prompt
 from tests.fixtures import families as F
 
 # (family, chat-template kwargs, preset the template must derive to, preset names it must accept)
@@ -139,7 +139,7 @@ def test_wrong_preset_is_refused(
 def test_disagreement_can_be_a_warning(
     tokenizers: Callable[[str], PreTrainedTokenizerBase], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="tasks.completion_format"):
+    with caplog.at_level(logging.WARNING, logger="tasks.reconstruct.completion_format"):
         fmt = resolve_format("kimi_k25_thinking", tokenizers("kimi_k2_thinking"), on_disagreement="warn")
     assert fmt is PRESETS["kimi_k25_thinking"]
     assert "open_in_prompt" in caplog.text and "format_disagreement=warn" in caplog.text

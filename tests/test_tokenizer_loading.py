@@ -13,20 +13,20 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import PRESETS, completion_layout
-from tasks.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig
-from tasks.errors import ConfigError, ReconstructionError
-from tasks.messages import prompt_messages
-from tasks.reconstruct import reconstruct_part
-from tasks.shards import PartRef, read_part, read_provenance
-from tasks.tokenizer_backend import (
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig
+from tasks.common.errors import ConfigError, ReconstructionError
+from tasks.common.messages import prompt_messages
+from tasks.common.shards import PartRef, read_part, read_provenance
+from tasks.reconstruct.completion_format import PRESETS, completion_layout
+from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.tokenizer_backend import (
     PROBES,
     RustBackend,
     SlowTokenizerBackend,
     TiktokenBackend,
     backend_for,
 )
-from tasks.tokenizer_loading import (
+from tasks.reconstruct.tokenizer_loading import (
     detected_revision,
     load_tokenizer,
     render_prompt,
@@ -35,7 +35,7 @@ from tasks.tokenizer_loading import (
     tokenizer_hash,
     tokenizer_provenance,
 )
-from tasks.validate import validate_part
+from tasks.validate.checks import validate_part
 from tests.fixtures import families as F
 from tests.test_reconstruct import CONVERSATIONS, response_row, sid_of, write_inputs
 

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import PRESETS
-from tasks.config import PipelineConfig, ValidationConfig
-from tasks.errors import ValidationGateError
-from tasks.messages import Message
-from tasks.reconstruct import reconstruct_part
-from tasks.shards import PartRef, read_part
-from tasks.validate import check_gates, summarize_validation, validate_part
+from tasks.common.config import PipelineConfig, ValidationConfig
+from tasks.common.errors import ValidationGateError
+from tasks.common.messages import Message
+from tasks.common.shards import PartRef, read_part
+from tasks.reconstruct.completion_format import PRESETS
+from tasks.reconstruct.stage import reconstruct_part
+from tasks.validate.checks import check_gates, summarize_validation, validate_part
 from tests.test_reconstruct import make_cfg, response_row, sid_of, write_inputs
 
 DEMO = PRESETS["deepseek_v31_thinking"]

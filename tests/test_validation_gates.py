@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import ValidationConfig
-from tasks.errors import ValidationGateError
-from tasks.validate import check_gates, gate_violations, serving_key, summarize_validation
+from tasks.common.config import ValidationConfig
+from tasks.common.errors import ValidationGateError
+from tasks.validate.checks import check_gates, gate_violations, serving_key, summarize_validation
 from tests.test_reconstruct import make_cfg
 from tests.test_validate import CONTENT, EOS, REASONING, encode, run_part
 

@@ -14,10 +14,10 @@ import pytest
 from matplotlib.image import imread
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import PipelineConfig, ValidationConfig
-from tasks.errors import ValidationGateError
-from tasks.report import write_validation_report
-from tasks.validate import gate_violations, summarize_validation
+from tasks.common.config import PipelineConfig, ValidationConfig
+from tasks.common.errors import ValidationGateError
+from tasks.validate.checks import gate_violations, summarize_validation
+from tasks.validate.report import write_validation_report
 from tests.test_reconstruct import make_cfg
 from tests.test_validate import CONTENT, EOS, REASONING, encode, run_part
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tasks.shards import atomic_write_bytes, atomic_write_text
+from tasks.common.shards import atomic_write_bytes, atomic_write_text
 
 FEATURE_TYPES: dict[pa.DataType, dict[str, Any]] = {
     pa.int64(): {"dtype": "int64", "_type": "Value"},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.errors import DatagenError
+from tasks.common.errors import DatagenError
 
 
 class ExportError(DatagenError):

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.common.shards import atomic_write_text, part_name
 from tasks.export.errors import ExportError
 from tasks.export.source import SourcePart
-from tasks.shards import atomic_write_text, part_name
 
 PROGRESS_DIR = "_eagle3_export"
 MANIFEST = "eagle3_export.json"

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tasks.common.shards import PartRef, done_parts, read_part
 from tasks.export.errors import ExportError
 from tasks.extract.storage import (
     AUX_KEY,
@@ -27,7 +28,6 @@ from tasks.extract.storage import (
     StateLayout,
     check_capture,
 )
-from tasks.shards import PartRef, done_parts, read_part
 
 
 @dataclass(frozen=True)

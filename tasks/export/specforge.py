@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from tasks.common.shards import atomic_write_bytes
 from tasks.export.progress import PartSlot
 from tasks.export.source import ExportSample, iter_samples
-from tasks.shards import atomic_write_bytes
 
 FILE_GROUP_SIZE = 2000
 SUFFIX = ".ckpt"

@@ -20,10 +20,10 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save
 
+from tasks.common.shards import atomic_write_bytes
 from tasks.export.arrow_disk import data_file_name, write_data_file, write_dataset_metadata
 from tasks.export.progress import PartSlot
 from tasks.export.source import ExportSample, iter_samples
-from tasks.shards import atomic_write_bytes
 
 HIDDEN_STATES_DIR = "hidden_states"
 ROW_SCHEMA = pa.schema(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.errors import ConfigError
+from tasks.common.errors import ConfigError
 from tasks.extract.writer import HostBatch
 
 

@@ -28,13 +28,13 @@ import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tasks.errors import ConfigError
+from tasks.common.errors import ConfigError
 from tasks.extract.capture import CapturedBatch, plan_padded_batches
 from tasks.extract.layers import resolve_layers
 from tasks.extract.storage import DTYPES, StateLayout, dtype_name
 
 if TYPE_CHECKING:
-    from tasks.config import PipelineConfig
+    from tasks.common.config import PipelineConfig
 
 
 def resolve_device(name: str) -> torch.device:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tasks.errors import ConfigError
+from tasks.common.errors import ConfigError
 
 AUX_LAYER_COUNT = 3
 MIN_LAYERS = 7

@@ -17,8 +17,10 @@ from typing import Any, Protocol
 import pyarrow as pa
 import torch
 
-from tasks.config import PipelineConfig
-from tasks.errors import ConfigError
+from tasks.common.config import PipelineConfig
+from tasks.common.errors import ConfigError
+from tasks.common.schemas import HIDDEN_STATES_INDEX
+from tasks.common.shards import PartRef, read_marker, read_part, write_part
 from tasks.extract.capture import CapturedBatch, HostStager
 from tasks.extract.storage import (
     DATA_DIR,
@@ -32,8 +34,6 @@ from tasks.extract.storage import (
     plan_shards,
 )
 from tasks.extract.writer import ShardStreamWriter
-from tasks.schemas import HIDDEN_STATES_INDEX
-from tasks.shards import PartRef, read_marker, read_part, write_part
 
 WRITER_QUEUE_BATCHES = 2
 """Batches staged ahead of the writer: enough to keep the disk busy while the next forward pass runs, few

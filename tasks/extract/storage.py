@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tasks.errors import CaptureMismatchError, InsufficientSpaceError
-from tasks.shards import part_name
+from tasks.common.errors import CaptureMismatchError, InsufficientSpaceError
+from tasks.common.shards import part_name
 
 HIDDEN_DIR = "hidden_states"
 DATA_DIR = "data"

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.errors import CaptureMismatchError
+from tasks.common.errors import CaptureMismatchError
+from tasks.common.shards import fsync_dir
 from tasks.extract.storage import (
     AUX_KEY,
     FINAL_KEY,
@@ -36,7 +37,6 @@ from tasks.extract.storage import (
     StateLayout,
     check_capture,
 )
-from tasks.shards import fsync_dir
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from tasks.schemas import RESPONSES
-from tasks.shards import check_schema, part_name
+from tasks.common.schemas import RESPONSES
+from tasks.common.shards import check_schema, part_name
 
 STAGE = "responses"
 CHUNKS_DIR = "_chunks"

@@ -29,8 +29,9 @@ from typing import Any
 import aiohttp
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import PipelineConfig
-from tasks.errors import EndpointUnavailableError, FatalEndpointError
+from tasks.common.config import PipelineConfig
+from tasks.common.errors import EndpointUnavailableError, FatalEndpointError
+from tasks.common.messages import Message
 from tasks.generate.endpoints import (
     CompletionMarkers,
     EndpointRequest,
@@ -41,7 +42,6 @@ from tasks.generate.endpoints import (
     generation_lookup_url,
     parse_response,
 )
-from tasks.messages import Message
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 RUN_FATAL_STATUS = frozenset({401, 403, 404})

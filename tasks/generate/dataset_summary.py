@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.common.shards import PartRef, read_part
 from tasks.generate.chunks import STAGE, chunk_paths, merge_row, read_chunk
 from tasks.generate.progress import format_counts
-from tasks.shards import PartRef, read_part
 
 COLUMNS = [
     "sample_id",

@@ -13,10 +13,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import PipelineConfig
-from tasks.errors import ConfigError, DatagenError
-from tasks.messages import Message
-from tasks.tokenizer_loading import render_prompt_ids
+from tasks.common.config import PipelineConfig
+from tasks.common.errors import ConfigError, DatagenError
+from tasks.common.messages import Message
+from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 CHAT_PATH = "/chat/completions"
 GENERATE_PATH = "/generate"

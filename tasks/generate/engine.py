@@ -26,23 +26,23 @@ from typing import Any, TypeVar
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import PipelineConfig
-from tasks.generate.chunks import STAGE, chunk_dir, chunk_index, chunk_paths, merge_row, read_chunk
-from tasks.generate.client import Budget, EndpointClient, SampleOutcome
-from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
-from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
-from tasks.messages import prompt_messages
-from tasks.multiturn import ConversationTurn, template_messages
-from tasks.schemas import RESPONSES
-from tasks.shards import (
+from tasks.common.config import PipelineConfig
+from tasks.common.messages import prompt_messages
+from tasks.common.schemas import RESPONSES
+from tasks.common.shards import (
     PartRef,
     conform,
     read_part,
     stage_metadata,
     write_parquet_atomic,
 )
-from tasks.shards import write_part as write_stage_part
-from tasks.tokenizer_loading import load_tokenizer
+from tasks.common.shards import write_part as write_stage_part
+from tasks.generate.chunks import STAGE, chunk_dir, chunk_index, chunk_paths, merge_row, read_chunk
+from tasks.generate.client import Budget, EndpointClient, SampleOutcome
+from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
+from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
+from tasks.reconstruct.multiturn import ConversationTurn, template_messages
+from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
 T = TypeVar("T")
 RESULT_FIELDS = (

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from tasks.config import EndpointConfig
-from tasks.errors import EndpointUnavailableError
+from tasks.common.config import EndpointConfig
+from tasks.common.errors import EndpointUnavailableError
 
 UNAVAILABLE_STATUS = frozenset({502, 503, 504})
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.shards import atomic_write_text, done_parts, read_part, read_provenance
-from tasks.validation_plots import Plot, render_plots
+from tasks.common.shards import atomic_write_text, done_parts, read_part, read_provenance
+from tasks.validate.plots import Plot, render_plots
 
 OVERVIEW_COLUMNS = (
     ("dataset", "dataset"),

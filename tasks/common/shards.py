@@ -20,8 +20,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.errors import SchemaMismatchError
-from tasks.schemas import SCHEMA_VERSION, SCHEMAS
+from tasks.common.errors import SchemaMismatchError
+from tasks.common.schemas import SCHEMA_VERSION, SCHEMAS
 
 PART_RE = re.compile(r"^part-(\d{5})\.parquet$")
 META_VERSION = b"eagle3.schema_version"

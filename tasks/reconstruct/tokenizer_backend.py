@@ -26,8 +26,8 @@ import tiktoken
 from tokenizers import Encoding, Tokenizer
 from transformers import PreTrainedTokenizerBase
 
-from tasks.errors import ReconstructionError
-from tasks.tokenizer_loading import added_tokens
+from tasks.common.errors import ReconstructionError
+from tasks.reconstruct.tokenizer_loading import added_tokens
 
 PROBES: tuple[str, ...] = (
     "Hello world! NOR gate 12345 x = café",

@@ -20,10 +20,10 @@ from typing import Any, TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import REASONING_KEYS, CompletionFormat, completion_layout, loss_mask_values
-from tasks.errors import ConfigError
-from tasks.tokenizer_backend import backend_for
-from tasks.tokenizer_loading import template_message
+from tasks.common.errors import ConfigError
+from tasks.reconstruct.completion_format import REASONING_KEYS, CompletionFormat, completion_layout, loss_mask_values
+from tasks.reconstruct.tokenizer_backend import backend_for
+from tasks.reconstruct.tokenizer_loading import template_message
 
 SENTINEL = "RegeneratedSpanSentinelQx7"
 

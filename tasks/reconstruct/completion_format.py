@@ -23,9 +23,9 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.config import PipelineConfig
-from tasks.errors import ConfigError
-from tasks.tokenizer_loading import REASONING_KEYS, added_tokens
+from tasks.common.config import PipelineConfig
+from tasks.common.errors import ConfigError
+from tasks.reconstruct.tokenizer_loading import REASONING_KEYS, added_tokens
 
 log = logging.getLogger(__name__)
 

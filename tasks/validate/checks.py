@@ -43,7 +43,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tasks.completion_format import (
+from tasks.common.config import PipelineConfig, ValidationConfig
+from tasks.common.errors import ConfigError, ReconstructionError, ValidationGateError
+from tasks.common.schemas import VALIDATION
+from tasks.common.shards import PartRef, done_parts, read_marker, read_part, write_part
+from tasks.reconstruct.completion_format import (
     KNOWN_REASONING_TAGS,
     CompletionFormat,
     CompletionLayout,
@@ -51,12 +55,8 @@ from tasks.completion_format import (
     controls_in,
     normalized_parts,
 )
-from tasks.config import PipelineConfig, ValidationConfig
-from tasks.errors import ConfigError, ReconstructionError, ValidationGateError
-from tasks.schemas import VALIDATION
-from tasks.shards import PartRef, done_parts, read_marker, read_part, write_part
-from tasks.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
-from tasks.tokenizer_loading import load_tokenizer, tokenizer_provenance
+from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_provenance
 
 TEXT_FAIL_ISSUES = frozenset(
     {

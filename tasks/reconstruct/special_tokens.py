@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import CompletionFormat
-from tasks.errors import SpecialTokenError
-from tasks.tokenizer_backend import backend_for
+from tasks.common.errors import SpecialTokenError
+from tasks.reconstruct.completion_format import CompletionFormat
+from tasks.reconstruct.tokenizer_backend import backend_for
 
 
 @dataclass(frozen=True)

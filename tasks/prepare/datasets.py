@@ -17,11 +17,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.config import DatasetConfig, PipelineConfig
-from tasks.errors import ConfigError
-from tasks.messages import ROLES, Message, prompt_messages, response_sample_id, sample_id
-from tasks.schemas import PROMPTS
-from tasks.shards import PartRef, atomic_write_text, done_parts, read_part, write_part
+from tasks.common.config import DatasetConfig, PipelineConfig
+from tasks.common.errors import ConfigError
+from tasks.common.messages import ROLES, Message, prompt_messages, response_sample_id, sample_id
+from tasks.common.schemas import PROMPTS
+from tasks.common.shards import PartRef, atomic_write_text, done_parts, read_part, write_part
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MANIFEST = "_manifest.json"

@@ -24,7 +24,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from tasks.shards import atomic_write_bytes, done_parts, read_part
+from tasks.common.shards import atomic_write_bytes, done_parts, read_part
 
 MATCH_COLORS = {"exact": "#2e7d32", "bpe_artifact": "#f9a825", "real_difference": "#c62828", "no_reference": "#9e9e9e"}
 VERDICT_COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828"}

@@ -2,7 +2,7 @@
 
 Stages always read and write a *local* run directory (atomic renames, memory-mapped safetensors); a RunStore
 mirrors it to `<url>/<run name>`. A part is pushed data first and completion marker last, and pulled the same
-way, so a host sees a part only once it is complete: the invariant of `tasks/shards.py`, carried across hosts.
+way, so a host sees a part only once it is complete: the invariant of `tasks/common/shards.py`, carried across hosts.
 A plain shared filesystem (NFS, a Docker volume) needs no store at all: point `run_dir` at it.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import fsspec
 import pyarrow.parquet as pq
 
-from tasks.errors import ConfigError
-from tasks.shards import PART_RE, PartRef
+from tasks.common.errors import ConfigError
+from tasks.common.shards import PART_RE, PartRef
 
 
 class RunStore:

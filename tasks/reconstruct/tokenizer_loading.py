@@ -19,9 +19,9 @@ from typing import Any
 from tokenizers import AddedToken, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from tasks.config import TokenizerConfig
-from tasks.errors import ConfigError
-from tasks.messages import Message
+from tasks.common.config import TokenizerConfig
+from tasks.common.errors import ConfigError
+from tasks.common.messages import Message
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -5,13 +5,13 @@ the model emitted it). The two are encoded separately because their boundary is 
 (generation starts there); the finished conversation is never re-rendered, since templates rewrite history.
 Where the endpoint recorded the prompt ids it sent, ours must equal them, or the part fails naming the sample.
 
-Encoding goes through `tasks.tokenizer_backend` in batches (Rust `tokenizers`, tiktoken's threaded core, or,
+Encoding goes through `tasks.reconstruct.tokenizer_backend` in batches (Rust `tokenizers`, tiktoken's threaded core, or,
 for other Python tokenizers, their own `encode`); per-row Python is limited to bookkeeping so that
 reconstruction runs near raw `tokenizers` throughput (`bench/reconstruct_throughput.py`).
 
 A response regenerated turn by turn (`sampling.regenerate: every_turn`) carries the final request's `history`;
 its row is the template's rendering of that history (the context the target saw last) plus the final
-completion, masked over every span the target wrote (`tasks.multiturn`). Those rows are built one by one,
+completion, masked over every span the target wrote (`tasks.reconstruct.multiturn`). Those rows are built one by one,
 the others in the batch path; output rows keep prompt order either way.
 """
 
@@ -26,7 +26,11 @@ import numpy as np
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
-from tasks.completion_format import (
+from tasks.common.config import PipelineConfig, ReconstructConfig
+from tasks.common.errors import ConfigError, ReconstructionError
+from tasks.common.messages import Message, prompt_messages
+from tasks.common.shards import PartRef, read_marker, read_part, read_provenance, write_part
+from tasks.reconstruct.completion_format import (
     PRESETS,
     CompletionFormat,
     CompletionLayout,
@@ -34,14 +38,10 @@ from tasks.completion_format import (
     completion_layout,
     loss_mask_values,
 )
-from tasks.config import PipelineConfig, ReconstructConfig
-from tasks.errors import ConfigError, ReconstructionError
-from tasks.messages import Message, prompt_messages
-from tasks.multiturn import ConversationTurn, build_multiturn_sequence
-from tasks.shards import PartRef, read_marker, read_part, read_provenance, write_part
-from tasks.special_tokens import verify_special_tokens
-from tasks.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
-from tasks.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_provenance
+from tasks.reconstruct.multiturn import ConversationTurn, build_multiturn_sequence
+from tasks.reconstruct.special_tokens import verify_special_tokens
+from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_provenance
 
 RESPONSE_COLUMNS = [
     "sample_id",
