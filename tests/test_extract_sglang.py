@@ -22,18 +22,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tasks.errors import CaptureMismatchError, ConfigError
+from tasks.common.errors import CaptureMismatchError, ConfigError
+from tasks.common.shards import PartRef
 from tasks.extract import sglang_engine
 from tasks.extract.layers import default_aux_layers
-from tasks.extract.sglang_backend import (
-    ExtendOutput,
-    SGLangEngineSpec,
-    SGLangHiddenStateRunner,
-    sglang_capture_ids,
-)
+from tasks.extract.sglang_backend import SGLangHiddenStateRunner
+from tasks.extract.sglang_contract import ExtendOutput, SGLangEngineSpec, sglang_capture_ids
 from tasks.extract.stage import extract_part
 from tasks.extract.storage import HIDDEN_DIR, load_hidden_states
-from tasks.shards import PartRef
 from tests.test_extract import LAYERS, LENGTHS, direct_states, index_rows, make_cfg, sample_ids, write_tokens
 
 

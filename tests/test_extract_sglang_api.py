@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.extract.sglang_backend import SGLANG_VERSION, SGLangEngineSpec
+from tasks.extract.sglang_contract import SGLANG_VERSION, SGLangEngineSpec
 
 pytestmark = pytest.mark.slow
 

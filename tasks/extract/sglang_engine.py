@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import ConfigError
-from tasks.extract.sglang_backend import SGLANG_VERSION, ExtendOutput, SGLangEngineSpec
+from tasks.common.errors import ConfigError
+from tasks.extract.sglang_contract import SGLANG_VERSION, ExtendOutput, SGLangEngineSpec
 
 READY_TIMEOUT_S = 3600.0
 """Loading a 1T-parameter checkpoint over TP ranks can take tens of minutes."""
