@@ -149,3 +149,21 @@ def test_execution_device_from_accelerate_hooks_on_gpus() -> None:
     assert _module_device(norm, torch.device("cpu")) == torch.device("cuda", 2)
     del norm._hf_hook
     assert _module_device(norm, torch.device("cpu")) == torch.device("cpu")  # meta parameters never count
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_gpu_plus_cpu_offload_matches_the_model_on_the_gpu(tiny_model_dir: Path) -> None:
+    """What `device_map: auto` does with a target larger than the GPU: the rest stays in host memory and is
+    streamed to the GPU per forward (parameters on meta, execution on cuda:0)."""
+    on_gpu = HFHiddenStateRunner(load_f32(tiny_model_dir).to("cuda"), model_path=tiny_model_dir)
+    model = load_f32(tiny_model_dir)
+    device_map = {k: (0 if v == "cpu" else "cpu") for k, v in split_device_map(model.config.num_hidden_layers).items()}
+    device_map["model.embed_tokens"] = 0
+    split = HFHiddenStateRunner(dispatch_model(model, device_map=device_map, main_device=0), model_path=tiny_model_dir)
+    assert split.capture_device == torch.device("cuda", 0)
+    want = on_gpu.run_batch(SEQUENCES, list(range(len(SEQUENCES))))
+    got = split.run_batch(SEQUENCES, list(range(len(SEQUENCES))))
+    torch.testing.assert_close(got.aux, want.aux)
+    assert got.final is not None and want.final is not None
+    torch.testing.assert_close(got.final, want.final)

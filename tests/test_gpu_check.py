@@ -168,3 +168,11 @@ def test_gpu_image_checks_the_build_and_wraps_the_worker_command() -> None:
     assert 'python3 -m tasks.extract.gpu_check --require "${REQUIRED_ARCHES}"' in dockerfile
     cmd = next(line for line in dockerfile.splitlines() if line.startswith("CMD "))
     assert cmd.startswith('CMD ["python3", "-m", "tasks.extract.gpu_check", "--", "prefect", "worker", "start"')
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_this_machines_gpus_get_kernels_from_its_torch() -> None:
+    verdicts = check_devices()
+    assert len(verdicts) == torch.cuda.device_count() and all(v.ok for v in verdicts)
+    assert all(v.capability == torch.cuda.get_device_capability(v.index) for v in verdicts)
