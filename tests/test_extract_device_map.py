@@ -167,3 +167,19 @@ def test_one_gpu_plus_cpu_offload_matches_the_model_on_the_gpu(tiny_model_dir: P
     torch.testing.assert_close(got.aux, want.aux)
     assert got.final is not None and want.final is not None
     torch.testing.assert_close(got.final, want.final)
+
+
+def test_unpadded_batch_runs_without_a_mask_and_captures_the_same(unsplit: HFHiddenStateRunner) -> None:
+    """pad_batch passes no mask when nothing is padded (no host wait on the mask's values); the states are
+    those of each sequence alone."""
+    same = [SEQUENCES[0], SEQUENCES[0][::-1], [7] * len(SEQUENCES[0])]
+    assert unsplit.pad_batch(same)[1] is None
+    ids, mask = unsplit.pad_batch(SEQUENCES[:2])
+    assert mask is not None and mask.sum().item() == len(SEQUENCES[0]) + len(SEQUENCES[1]) and ids.shape == mask.shape
+    batched = unsplit.run_batch(same, [0, 1, 2])
+    width = len(SEQUENCES[0])
+    for i, seq in enumerate(same):
+        alone = unsplit.run_batch([seq], [0])
+        torch.testing.assert_close(batched.aux[i * width : (i + 1) * width], alone.aux)
+        assert batched.final is not None and alone.final is not None
+        torch.testing.assert_close(batched.final[i * width : (i + 1) * width], alone.final)
