@@ -59,8 +59,17 @@ def _tensor_output(output: Any) -> torch.Tensor:
 
 
 def _module_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    """Where `module` computes. A module accelerate dispatched with offloading (`device_map` entries "cpu" or
+    "disk" next to GPUs, or a model larger than the GPUs) keeps its parameters on `meta` between forwards; its
+    hook's `execution_device` is where its inputs and outputs live."""
+    hook = getattr(module, "_hf_hook", None)
+    for each in [hook, *getattr(hook, "hooks", ())]:
+        device = getattr(each, "execution_device", None)
+        if device is not None:
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     for param in module.parameters():
-        return param.device
+        if param.device.type != "meta":
+            return param.device
     return fallback
 
 
@@ -216,15 +225,25 @@ class HFHiddenStateRunner:
             "transformers_version": transformers.__version__,
         }
 
-    def pad_batch(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded input ids and attention mask on the input device."""
+    def pad_batch(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Right-padded input ids and attention mask on the input device; no mask when nothing is padded.
+
+        Neither costs the host a wait on the device: the copies leave pinned memory asynchronously (a plain
+        `.to(cuda)` waits for the stream, i.e. for the previous batch's forward to finish), and an unpadded
+        batch passes no mask, since transformers reads a mask's values on the host to decide whether it can
+        use SDPA's causal kernel (another wait, for a mask of all ones that means "causal" anyway).
+        """
         width = max((len(s) for s in sequences), default=0)
         ids = torch.full((len(sequences), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
-        return ids.to(self.input_device), mask.to(self.input_device)
+        padded = any(len(s) != width for s in sequences)
+        if self.input_device.type == "cuda":
+            ids, mask = ids.pin_memory(), mask.pin_memory()
+        ids = ids.to(self.input_device, non_blocking=True)
+        return ids, mask.to(self.input_device, non_blocking=True) if padded else None
 
     def run_batch(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> CapturedBatch:
         """One right-padded forward pass; the batch's rows, unpadded and in `indices` order, on the device."""

@@ -11,6 +11,7 @@ and writes the previous batches while the next one computes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from tasks.common.errors import ConfigError
 from tasks.common.schemas import HIDDEN_STATES_INDEX
 from tasks.common.shards import PartRef, read_marker, read_part, write_part
 from tasks.extract.capture import CapturedBatch, HostStager
+from tasks.extract.gpu_check import check_before_load
 from tasks.extract.storage import (
     DATA_DIR,
     HIDDEN_DIR,
@@ -34,6 +36,8 @@ from tasks.extract.storage import (
     plan_shards,
 )
 from tasks.extract.writer import ShardStreamWriter
+
+logger = logging.getLogger(__name__)
 
 WRITER_QUEUE_BATCHES = 2
 """Batches staged ahead of the writer: enough to keep the disk busy while the next forward pass runs, few
@@ -60,6 +64,9 @@ class HiddenStateRunner(Protocol):
 
 
 def make_runner(cfg: PipelineConfig) -> HiddenStateRunner:
+    ext = cfg.extract
+    for verdict in check_before_load(ext.device, ext.device_map, ext.backend):
+        logger.info("torch kernels for %s", verdict.describe())
     if cfg.extract.backend == "sglang":
         from tasks.extract.sglang_backend import SGLangHiddenStateRunner
 
