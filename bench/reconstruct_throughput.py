@@ -37,7 +37,7 @@ from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_backend import backend_for
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt
 
-FORMAT = PRESETS["deepseek_v31_thinking"]
+FORMAT = PRESETS["deepseek_v4_thinking"]
 DATASET = "bench"
 CODE = ["def f(x):", "    return x * 2 + 1", "for i in range(10):", "    total += values[i]", "}", "if (n > 0) {"]
 CJK = ["这是一个测试句子。", "模型需要逐步推理。", "日本語の文章も含まれます。"]

@@ -18,7 +18,7 @@ from tasks.reconstruct.stage import reconstruct_part
 from tasks.validate.checks import check_gates, summarize_validation, validate_part
 from tests.test_reconstruct import make_cfg, response_row, sid_of, write_inputs
 
-DEMO = PRESETS["deepseek_v31_thinking"]
+DEMO = PRESETS["deepseek_v4_thinking"]
 EOS = "<｜end▁of▁sentence｜>"
 REASONING = "Recall the truth table."
 CONTENT = "A NOR gate is an OR gate followed by NOT."
