@@ -226,6 +226,10 @@ def test_tool_call_markup_of_every_family_follows_the_policy(
     assert summary["excluded"] == (0 if policy == "keep" else len(families))
     assert summary["exclusion_reasons"] == ({} if policy == "keep" else {"tool_call_markup": len(families)})
     assert summary["fail"] == (len(families) if policy == "fail" else 0)
+    report = write_validation_report(tmp_path, [summary]).parent / "report.md"
+    excluded = report.read_text().split("## Excluded samples", 1)[1]
+    expected = "none" if policy == "keep" else f"tool_call_markup: {len(families)}"
+    assert f"| {DATASET} | {summary['excluded']} | {summary['fail']} | {summary['drop']} | {expected} |" in excluded
 
 
 def test_a_stripped_whitespace_provider_is_caught_by_reference_ids(
