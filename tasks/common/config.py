@@ -171,6 +171,28 @@ class ValidationConfig(StrictModel):
     format_disagreement: Literal["fail", "warn"] = Field(
         default="fail", description="A completion_format preset the chat template contradicts: fail, or warn."
     )
+    prompt_tolerance_tokens: int = Field(
+        default=1,
+        ge=0,
+        description="|usage.prompt_tokens - rebuilt prompt length| up to this is 'within_tolerance' (a provider "
+        "counting BOS differently); beyond it the row is 'drift' (the provider saw another prompt).",
+    )
+    max_prompt_drift_rate: float = Field(
+        default=0.01, ge=0, le=1, description="Gate: rows in prompt-token drift, over rows whose usage has them."
+    )
+    empty_reasoning: Literal["fail", "warn"] = Field(
+        default="fail",
+        description="Thinking formats: an answer with no reasoning (hidden by the provider, or reasoning.exclude) "
+        "fails the sample, or only warns.",
+    )
+    tool_call_policy: Literal["fail", "keep", "drop"] = Field(
+        default="fail",
+        description="Tool-call markup of any supported family in an answer (no tools are sent): fail the sample, "
+        "keep it (a warning), or drop it from extraction without counting it as a failure.",
+    )
+    whitespace_min_samples: int = Field(
+        default=50, ge=1, description="Answers a provider needs before its boundary-whitespace statistics count."
+    )
 
 
 class ExtractConfig(StrictModel):

@@ -92,12 +92,13 @@ def _check_runner_matches(cfg: PipelineConfig, runner: HiddenStateRunner) -> Non
 
 
 def failed_validation_ids(cfg: PipelineConfig, part: int) -> set[str] | None:
-    """Sample ids whose validation verdict is "fail"; None when this part has no finished validation part."""
+    """Sample ids whose validation verdict is "fail" or "drop" (validation.tool_call_policy); None when this part
+    has no finished validation part."""
     ref = PartRef(cfg.run_dir, "validation", part)
     if not ref.is_done():
         return None
     columns = read_part(ref, columns=["sample_id", "verdict"]).to_pydict()
-    return {sid for sid, v in zip(columns["sample_id"], columns["verdict"], strict=True) if v == "fail"}
+    return {sid for sid, v in zip(columns["sample_id"], columns["verdict"], strict=True) if v in ("fail", "drop")}
 
 
 def extract_part(

@@ -27,7 +27,7 @@ from matplotlib.ticker import MaxNLocator
 from tasks.common.shards import atomic_write_bytes, done_parts, read_part
 
 MATCH_COLORS = {"exact": "#2e7d32", "bpe_artifact": "#f9a825", "real_difference": "#c62828", "no_reference": "#9e9e9e"}
-VERDICT_COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828"}
+VERDICT_COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "drop": "#757575"}
 LIGHT = frozenset({"bpe_artifact", "no_reference", "warn"})
 LENGTH_COLORS = {"prompt": "#1565c0", "completion": "#6a1b9a", "reasoning": "#ef6c00"}
 DPI = 110
@@ -148,7 +148,9 @@ def plot_mismatch_classes(summary: list[dict[str, Any]], path: Path) -> Path:
         return _save(fig, path)
     match_ax, verdict_ax, issue_ax = fig.subplots(1, 3, width_ratios=(1.2, 1, 1.2))
     _stacked(match_ax, datasets, [{k: s[k] for k in MATCH_COLORS} for s in summary], MATCH_COLORS, "reference match")
-    _stacked(verdict_ax, datasets, [{k: s[k] for k in VERDICT_COLORS} for s in summary], VERDICT_COLORS, "verdict")
+    _stacked(
+        verdict_ax, datasets, [{k: s.get(k, 0) for k in VERDICT_COLORS} for s in summary], VERDICT_COLORS, "verdict"
+    )
     codes = sorted({c for s in summary for c in s["structural_issues"]})
     if codes:
         y = np.arange(len(codes))
