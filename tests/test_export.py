@@ -316,3 +316,17 @@ def test_cli_export(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     stats = json.loads(capsys.readouterr().out)
     assert stats["format"] == "speculators" and stats["samples"] == 7
     assert (tmp_path / "cli" / "state.json").exists()
+
+
+@pytest.mark.parametrize(("fmt", "package"), [("speculators", "speculators"), ("specforge", "specforge")])
+def test_draft_vocabulary_needs_the_trainers_own_utility(run_dir: Path, tmp_path: Path, fmt: str, package: str) -> None:
+    """Without the trainer installed, a draft vocabulary is refused with what to do instead (the meaning tests
+    cover the files written where it is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(ExportError, match=f"{package} is not installed here"):
+        export_run(run_dir, fmt, tmp_path / fmt, draft_vocab_size=64)
+    with pytest.raises(ExportError, match="validation fraction"):
+        export_run(run_dir, fmt, tmp_path / "x", val_fraction=1.0)

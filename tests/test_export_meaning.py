@@ -195,3 +195,52 @@ def test_specforge_targets_equal_the_model_logits(meaning_run: dict[str, Any]) -
             wrong = head(meaning_run["pre_norm"][sid][1:])
         wrong_rates.append(agreement(wrong.float(), reference[1:]))
     assert sum(wrong_rates) / len(wrong_rates) < 0.9, "states without the final norm should not pass"
+
+
+DRAFT_VOCAB = 64
+
+
+def test_speculators_vocabulary_files_match_its_own_utilities(meaning_run: dict[str, Any], tmp_path: Path) -> None:
+    """`token_freq.pt` is what speculators' `save_token_frequency_distribution` writes for the training rows, and
+    `d2t-N.npy` / `t2d-N.npy` load into a draft model through its own mapping checks."""
+    pytest.importorskip("speculators")
+    import numpy as np
+    from datasets import load_from_disk
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    out = tmp_path / "spec"
+    run = meaning_run["root"] / "run"
+    stats = export_run(run, "speculators", out, val_fraction=0.3, draft_vocab_size=DRAFT_VOCAB)
+    manifest = json.loads((out / MANIFEST).read_text())
+    n_train = stats["samples"] - stats["validation_samples"]
+    assert 0 < n_train < stats["samples"]
+    theirs = tmp_path / "theirs.pt"
+    save_token_frequency_distribution(load_from_disk(str(out)).select(range(n_train)), theirs)
+    assert torch.load(out / "token_freq.pt", weights_only=True) == torch.load(theirs, weights_only=True)
+    d2t = torch.from_numpy(np.load(out / f"d2t-{DRAFT_VOCAB}.npy"))
+    t2d = torch.from_numpy(np.load(out / f"t2d-{DRAFT_VOCAB}.npy"))
+    assert manifest["vocab_files"] == ["token_freq.pt", f"d2t-{DRAFT_VOCAB}.npy", f"t2d-{DRAFT_VOCAB}.npy"]
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    chosen = set((d2t + torch.arange(DRAFT_VOCAB)).tolist())
+    assert chosen == set(t2d.nonzero()[:, 0].tolist()) and len(chosen) == DRAFT_VOCAB
+    top = sorted(freq, key=lambda t: (-freq[t], t))[: min(DRAFT_VOCAB, len(freq))]
+    assert set(top) <= chosen
+
+
+def test_specforge_vocabulary_mapping_is_its_own(meaning_run: dict[str, Any], tmp_path: Path) -> None:
+    """`vocab_mapping-N.pt` equals what SpecForge's offline trainer derives from the training files itself."""
+    pytest.importorskip("specforge")
+    from specforge.data.preprocessing import process_token_dict_to_mappings
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    out = tmp_path / "sf"
+    export_run(meaning_run["root"] / "run", "specforge", out, val_fraction=0.3, draft_vocab_size=DRAFT_VOCAB)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["trainer"]["vocab_mapping_path"] == f"vocab_mapping-{DRAFT_VOCAB}.pt"
+    assert manifest["trainer"]["eval_hidden_states_path"] == "eval"
+    mapping = torch.load(out / manifest["trainer"]["vocab_mapping_path"], weights_only=True)
+    vocab = meaning_run["model"].config.vocab_size
+    counts = count_effective_feature_tokens(str(out / "train"), target_vocab_size=vocab)
+    d2t, t2d = process_token_dict_to_mappings(counts, DRAFT_VOCAB, vocab)
+    assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
+    assert d2t.shape == (DRAFT_VOCAB,) and t2d.shape == (vocab,)

@@ -83,6 +83,8 @@ def export_run(
     """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"export format {fmt!r} not one of {list(EXPORT_FORMATS)}")
+    if draft_vocab_size is not None:
+        (specforge if fmt == "specforge" else speculators).require_vocab_utility()
     started = time.monotonic()
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     parts = source_parts(run_dir)

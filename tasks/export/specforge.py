@@ -20,6 +20,7 @@ would drag the shard's whole storage into the file), written under a temporary n
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from pathlib import Path
 
@@ -77,19 +78,24 @@ def remove_stale(out_dir: Path, slots: list[PartSlot]) -> int:
     return removed
 
 
-def vocab_mapping_file(out_dir: Path, draft_vocab_size: int, target_vocab_size: int) -> str:
-    """`vocab_mapping-N.pt` ({"d2t", "t2d"}), built the way SpecForge's offline trainer builds it when given no
-    mapping (`training/assembly.py:_ensure_offline_vocab_mapping`): `count_effective_feature_tokens` over the
-    training files, then `process_token_dict_to_mappings`; pass it as `model.vocab_mapping_path`."""
-    try:
-        from specforge.data.preprocessing import process_token_dict_to_mappings
-        from specforge.training.vocab_mapping import count_effective_feature_tokens
-    except ImportError as exc:
+def require_vocab_utility() -> None:
+    """Checked before an export starts: a draft vocabulary is built with SpecForge's own utilities."""
+    if importlib.util.find_spec("specforge") is None:
         raise ExportError(
             "a draft vocabulary for SpecForge is built with SpecForge's own utilities, and specforge is not "
             "installed here; export without --draft-vocab-size (SpecForge's offline trainer derives it from the "
             "training files itself) or run the export where specforge==0.2.0 is installed"
-        ) from exc
+        )
+
+
+def vocab_mapping_file(out_dir: Path, draft_vocab_size: int, target_vocab_size: int) -> str:
+    """`vocab_mapping-N.pt` ({"d2t", "t2d"}), built the way SpecForge's offline trainer builds it when given no
+    mapping (`training/assembly.py:_ensure_offline_vocab_mapping`): `count_effective_feature_tokens` over the
+    training files, then `process_token_dict_to_mappings`; pass it as `model.vocab_mapping_path`."""
+    require_vocab_utility()
+    from specforge.data.preprocessing import process_token_dict_to_mappings
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
     counts = count_effective_feature_tokens(str(Path(out_dir) / TRAIN_DIR), target_vocab_size=target_vocab_size)
     d2t, t2d = process_token_dict_to_mappings(counts, draft_vocab_size, target_vocab_size)
     name = f"vocab_mapping-{draft_vocab_size}.pt"

@@ -23,6 +23,7 @@ export can write those files itself with speculators' own utility (`vocab_mappin
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from collections import Counter
 from pathlib import Path
@@ -114,19 +115,24 @@ def _saved(obj: object) -> bytes:
     return buffer.getvalue()
 
 
+def require_vocab_utility() -> None:
+    """Checked before an export starts: a draft vocabulary is built with speculators' own utility."""
+    if importlib.util.find_spec("speculators") is None:
+        raise ExportError(
+            "a draft vocabulary for speculators is built with speculators' own utility, and speculators is not "
+            "installed here; export without --draft-vocab-size (speculators' trainer builds d2t/t2d from "
+            f"{TOKEN_FREQ_FILE} itself) or run the export where speculators==0.9.0 is installed"
+        )
+
+
 def vocab_mapping_files(
     out_dir: Path, freq: dict[int, int], draft_vocab_size: int, target_vocab_size: int
 ) -> list[str]:
     """`d2t-N.npy` and `t2d-N.npy`, built by speculators' own `build_vocab_mappings_from_distribution`, where its
     trainer looks for them (`--draft-vocab-size N` with this directory as `--data-path`)."""
-    try:
-        from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-    except ImportError as exc:
-        raise ExportError(
-            "a draft vocabulary for speculators is built with speculators' own utility, and speculators is not "
-            "installed here; export without --draft-vocab-size (speculators' trainer builds d2t/t2d from "
-            f"{TOKEN_FREQ_FILE} itself) or run the export where speculators==0.9.0 is installed"
-        ) from exc
+    require_vocab_utility()
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
     d2t, t2d = build_vocab_mappings_from_distribution(
         token_freq_dict=freq, draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size
     )
