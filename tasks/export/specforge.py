@@ -71,7 +71,8 @@ def remove_stale(out_dir: Path, slots: list[PartSlot]) -> int:
     `*.ckpt` it finds under the directory it is given."""
     expected = {sample_path(out_dir, i, v) for s in slots for i, v in zip(s.indices, s.validation, strict=True)}
     removed = 0
-    for path in Path(out_dir).glob(f"*/rows_*/data_*{SUFFIX}"):
+    found = [*Path(out_dir).glob(f"*/rows_*/data_*{SUFFIX}"), *Path(out_dir).glob(f"rows_*/data_*{SUFFIX}")]
+    for path in found:  # the second pattern: the unsplit layout of earlier exports
         if path not in expected:
             path.unlink()
             removed += 1
