@@ -115,12 +115,12 @@ def export_run(
                 raise ExportError("the target's final norm was not loaded")
             written += specforge.write_part(out_dir, slot, norm)
         progress.mark_done(slot)
-    vocab_files = _finish(fmt, out_dir, slots, model_dir, draft_vocab_size, trust_remote_code)
-    stale = (
+    stale = (  # before the closing files: SpecForge's vocabulary count walks every file under train/
         specforge.remove_stale(out_dir, slots)
         if fmt == "specforge"
         else speculators.remove_stale(out_dir, n_total, len(slots))
     )
+    vocab_files = _finish(fmt, out_dir, slots, model_dir, draft_vocab_size, trust_remote_code)
     trainer = (
         specforge.trainer_arguments(layers, n_val > 0, vocab_files[0] if vocab_files else None)
         if fmt == "specforge"
