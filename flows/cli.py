@@ -233,7 +233,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     """No Prefect: an export is a local file conversion of a finished run directory."""
     from tasks.export import export_run
 
-    stats = export_run(Path(args.run_dir).resolve(), args.format, Path(args.out).resolve())
+    stats = export_run(
+        Path(args.run_dir).resolve(),
+        args.format,
+        Path(args.out).resolve(),
+        val_fraction=args.val_fraction,
+        draft_vocab_size=args.draft_vocab_size,
+        target_model=Path(args.target_model).resolve() if args.target_model else None,
+    )
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -263,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir")
     export.add_argument("--format", required=True, choices=["specforge", "speculators"])
     export.add_argument("--out", required=True, help="output directory (created; resumable)")
+    export.add_argument("--val-fraction", type=float, default=0.05, help="fraction of prompts held out (by hash)")
+    export.add_argument("--draft-vocab-size", type=int, help="also write d2t/t2d with the trainer's own utility")
+    export.add_argument("--target-model", help="target model directory (default: the one extract recorded)")
     export.set_defaults(func=cmd_export)
     return parser
 

@@ -1,8 +1,9 @@
 """Hidden-state capture with transformers: the target model runs once per batch and only the tensors the
 drafter needs leave it.
 
-Forward hooks on the configured decoder layers (and on the final norm, unless only aux states are stored)
-copy each layer's unpadded rows into one preallocated per-batch buffer as the layer finishes, so no layer
+Forward hooks on the configured decoder layers (and a forward-pre-hook on the final norm, unless only aux states
+are stored: the final state kept is the norm's *input*, `storage.FINAL_STATE`) copy each layer's unpadded rows
+into one preallocated per-batch buffer as the layer finishes, so no layer
 output outlives its hook and `output_hidden_states` (every layer kept) is never requested. The base model
 (`get_decoder()`) runs instead of the CausalLM, so no lm_head logits ([T, vocab], by far the largest
 activation) are computed. Batches are planned by a padded-token budget over length-sorted samples, longest
@@ -31,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tasks.common.errors import ConfigError
 from tasks.extract.capture import CapturedBatch, plan_padded_batches
 from tasks.extract.layers import resolve_layers
-from tasks.extract.storage import DTYPES, StateLayout, dtype_name
+from tasks.extract.storage import DTYPES, FINAL_STATE, NO_FINAL_STATE, StateLayout, dtype_name
 
 if TYPE_CHECKING:
     from tasks.common.config import PipelineConfig
@@ -56,6 +57,16 @@ def _tensor_output(output: Any) -> torch.Tensor:
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     raise ConfigError(f"cannot read a hidden state from a module output of type {type(output).__name__}")
+
+
+def _norm_input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The final norm's input: its first positional argument, or `hidden_states=` (transformers' norms take one)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    hidden = kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor):
+        return hidden
+    raise ConfigError("the final norm was called without a hidden-state tensor; cannot capture its input")
 
 
 def _module_device(module: nn.Module, fallback: torch.device) -> torch.device:
@@ -127,7 +138,13 @@ class HFHiddenStateRunner:
             decoder_layers[k].register_forward_hook(self._hook(f"layer{k}", slot)) for slot, k in enumerate(self.layers)
         ]
         if store_final_state:
-            self._hooks.append(norm.register_forward_hook(self._hook("final", None)))
+            final_hook = self._hook("final", None)
+            self._hooks.append(
+                norm.register_forward_pre_hook(
+                    lambda module, args, kwargs: final_hook(module, args, _norm_input(args, kwargs)),
+                    with_kwargs=True,
+                )
+            )
         self.forward_passes = 0
 
     @classmethod
@@ -221,6 +238,7 @@ class HFHiddenStateRunner:
             "extract_device": str(self.input_device),
             "extract_device_map": self.device_map,
             "extract_store_final_state": self.store_final_state,
+            "extract_final_state": FINAL_STATE if self.store_final_state else NO_FINAL_STATE,
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,
         }

@@ -1,6 +1,7 @@
 """The extract stage: one `tokens` part in, one `hidden_states` index part (plus its safetensors shards) out.
 
-Resumable per part: a part with a completion marker is returned as is, without running a batch on the model;
+Resumable per part: a part with a completion marker is returned as is, without running a batch on the model
+(unless its marker records another final-state meaning than `storage.FINAL_STATE`: such a part is redone);
 an unfinished part's leftover shards are deleted and rewritten, because only the index part (written last,
 with its marker) makes shards visible to readers.
 
@@ -26,13 +27,17 @@ from tasks.extract.capture import CapturedBatch, HostStager
 from tasks.extract.gpu_check import check_before_load
 from tasks.extract.storage import (
     DATA_DIR,
+    FINAL_STATE,
+    FINAL_STATE_META,
     HIDDEN_DIR,
+    NO_FINAL_STATE,
     FreeSpaceProbe,
     StateLayout,
     clear_stale_shards,
     disk_free_bytes,
     ensure_space,
     estimate_bytes,
+    marker_is_current,
     plan_shards,
 )
 from tasks.extract.writer import ShardStreamWriter
@@ -112,7 +117,9 @@ def extract_part(
     out_ref = PartRef(cfg.run_dir, HIDDEN_DIR, part)
     if out_ref.is_done():
         stats: dict[str, Any] = read_marker(out_ref)["stats"]
-        return stats
+        if marker_is_current(stats):
+            return stats
+        out_ref.marker.unlink()  # written with another final-state meaning: redo it, unreadable meanwhile
     _check_runner_matches(cfg, runner)
     tokens = read_part(PartRef(cfg.run_dir, "tokens", part), columns=["sample_id", "dataset", "input_ids"])
     failed = failed_validation_ids(cfg, part) if cfg.extract.skip_failed_validation else None
@@ -174,6 +181,7 @@ def extract_part(
         "padded_tokens": padded_tokens,
         "padding_waste_frac": (padded_tokens - n_tokens) / padded_tokens if padded_tokens else 0.0,
         "store_final_state": runner.store_final_state,
+        FINAL_STATE_META: FINAL_STATE if runner.store_final_state else NO_FINAL_STATE,
         "writer_busy_s": round(writer.busy_s, 4),
         "writer_ready_wait_s": round(writer.ready_wait_s, 4),
         "submit_wait_s": round(writer.submit_wait_s, 4),
