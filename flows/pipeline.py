@@ -2,7 +2,9 @@
 
 Tasks receive the config and part numbers (references), never rows or tensors; each per-part task reads its
 inputs from the run directory and returns small stats, so Prefect bookkeeping grows with shards, not samples.
-Every stage is resumable on its own: a part with a completion marker is skipped.
+Every stage is resumable on its own: a part whose completion marker records the current fingerprints of its
+input parts (and the current recipe) is skipped without a task run; a part built from inputs that changed since
+(a retried responses part, a new completion format) is rebuilt. See `tasks.status.plan`.
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ExtractDeploymentError
 from tasks.common.schemas import STAGES
-from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts
+from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts, read_marker
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
-from tasks.generate.engine import budget_stop_message, generate_parts
+from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
 from tasks.generate.health import probe_endpoint
 from tasks.prepare.datasets import MANIFEST, prepare_datasets
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
+from tasks.status.plan import generate_todo, hidden_states_todo, tokens_todo, validation_todo
 from tasks.validate.checks import check_gates, gate_violations, summarize_validation, validate_part
 from tasks.validate.report import artifact_markdown, overview_rows, write_validation_report
 
@@ -163,6 +166,9 @@ def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]
 
 def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
     check_tokenizer_task(cfg)
+    if not generate_todo(cfg, parts):
+        get_run_logger().info("generate: all %d responses parts complete and current; nothing to send", len(parts))
+        return GenerateSummary().to_dict()
     stats = generate_task(cfg, parts, len(parts))
     _push(store, cfg, "responses", parts)
     return stats
@@ -201,17 +207,32 @@ def stage_cpu(
     return out
 
 
+def _reused(cfg: PipelineConfig, stage: str, parts: list[int]) -> list[dict[str, Any]]:
+    """Marker stats of the parts a stage did not rebuild: O(parts) small reads, no task runs."""
+    return [{**read_marker(PartRef(cfg.run_dir, stage, p))["stats"], "reused": True} for p in parts]
+
+
 @flow(name="eagle3-cpu-stages", log_prints=True)
 def cpu_stages_flow(cfg: PipelineConfig, parts: list[int]) -> dict[str, Any]:
-    reconstructed = reconstruct_task.map(unmapped(cfg), _done(cfg, "responses", parts)).result()
-    validated = validate_task.map(unmapped(cfg), _done(cfg, "tokens", parts)).result()
+    fmt = _format(cfg)
+    ready = _done(cfg, "responses", parts)
+    todo = tokens_todo(cfg, fmt, ready)
+    reconstructed = reconstruct_task.map(unmapped(cfg), todo).result()
+    reconstructed += _reused(cfg, "tokens", [p for p in ready if p not in todo])
+    ready = _done(cfg, "tokens", parts)
+    todo = validation_todo(cfg, fmt, ready)
+    validated = validate_task.map(unmapped(cfg), todo).result()
+    validated += _reused(cfg, "validation", [p for p in ready if p not in todo])
     return {"reconstruct": reconstructed, "validate": validated}
 
 
 def run_extract(cfg: PipelineConfig, parts: list[int], store: RunStore | None = None) -> list[dict[str, Any]]:
-    """One model in one process: parts run one after another so the weights are loaded once."""
-    results = []
-    for part in _done(cfg, "tokens", parts):
+    """One model in one process: parts run one after another so the weights are loaded once, and not at all when
+    every hidden-states part is current."""
+    ready = _done(cfg, "tokens", parts)
+    todo = hidden_states_todo(cfg, ready)
+    results = _reused(cfg, "hidden_states", [p for p in ready if p not in todo])
+    for part in todo:
         results.append(extract_task(cfg, part))
         _push(store, cfg, "hidden_states", [part])
     return results

@@ -2,8 +2,9 @@
 
 Both trainer layouts address samples by a global index (SpecForge's `data_{i}.ckpt`, speculators' dataset row
 i and `hs_{i}.safetensors`). Indices are assigned part by part in part order; a part's marker records where
-its indices start and which samples they hold, so a rerun skips a part only when the same samples would land
-at the same indices, and rewrites it otherwise. The manifest (`eagle3_export.json`) is written last: an
+its indices start, which samples they hold and the fingerprints of the hidden-states and tokens parts they were
+read from, so a rerun skips a part only when the same samples, built from the same inputs, would land at the
+same indices, and rewrites it otherwise. The manifest (`eagle3_export.json`) is written last: an
 export directory without it is unfinished and must not be trained on.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.common.shards import atomic_write_text, part_name
+from tasks.common.shards import atomic_write_text, fingerprint, part_name
 from tasks.export.errors import ExportError
 from tasks.export.source import SourcePart
 
@@ -33,7 +34,9 @@ class PartSlot:
         return len(self.part.rows)
 
     def marker_content(self, fmt: str) -> dict[str, Any]:
-        return {"format": fmt, "start": self.start, "sample_ids": self.part.sample_ids}
+        ref = self.part.ref
+        inputs = {stage: fingerprint(ref.with_stage(stage)) for stage in (ref.stage, "tokens")}
+        return {"format": fmt, "start": self.start, "sample_ids": self.part.sample_ids, "inputs": inputs}
 
 
 def assign_slots(parts: list[SourcePart]) -> list[PartSlot]:

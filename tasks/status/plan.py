@@ -1,0 +1,48 @@
+"""Which parts of each stage a (re)run must build: the ones missing, or stale against their inputs or recipe.
+
+Decisions read completion markers only (fingerprints recorded at write time), never the Parquet files, so a
+no-op rerun of a finished run directory costs O(parts) small JSON reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.common.config import PipelineConfig
+from tasks.common.shards import PartRef, expected_build, is_current, read_marker
+from tasks.reconstruct.completion_format import CompletionFormat
+from tasks.reconstruct.stage import tokens_recipe
+from tasks.validate.checks import validation_recipe
+
+
+def responses_complete(run_dir: Path, part: int) -> bool:
+    """The responses part exists, was built from the current prompts part, and every row of it is done: a rerun
+    has nothing to send for it. Markers from before `status_counts` was recorded never count as complete."""
+    ref = PartRef(run_dir, "responses", part)
+    if not is_current(ref, expected_build(ref)):
+        return False
+    counts = read_marker(ref).get("status_counts")
+    return isinstance(counts, dict) and set(counts) <= {"done"}
+
+
+def generate_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
+    """Prompts parts whose responses part is missing, stale or holds rows that are not done."""
+    return [p for p in parts if not responses_complete(cfg.run_dir, p)]
+
+
+def tokens_todo(cfg: PipelineConfig, fmt: CompletionFormat, parts: list[int]) -> list[int]:
+    recipe = tokens_recipe(cfg, fmt)
+    return [p for p in parts if not is_current(ref := PartRef(cfg.run_dir, "tokens", p), expected_build(ref, recipe))]
+
+
+def validation_todo(cfg: PipelineConfig, fmt: CompletionFormat, parts: list[int]) -> list[int]:
+    recipe = validation_recipe(cfg, fmt)
+    return [
+        p for p in parts if not is_current(ref := PartRef(cfg.run_dir, "validation", p), expected_build(ref, recipe))
+    ]
+
+
+def hidden_states_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
+    from tasks.extract.stage import hidden_states_current  # torch: imported only where extraction is planned
+
+    return [p for p in parts if not hidden_states_current(cfg, p)]
