@@ -37,7 +37,8 @@ from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
-from tasks.status.plan import generate_todo, hidden_states_todo, tokens_todo, validation_todo
+from tasks.status.plan import generate_todo, hidden_states_todo, recipe_digests, tokens_todo, validation_todo
+from tasks.status.report import run_status, write_failed_file
 from tasks.validate.checks import check_gates, gate_violations, summarize_validation, validate_part
 from tasks.validate.report import artifact_markdown, overview_rows, write_validation_report
 
@@ -266,12 +267,37 @@ def run_pipeline(
             stats["extract"] = extract_on_deployment(run)
         elif cfg.extract.enabled:
             stats["extract"] = run_extract(cfg, parts, store)
+    if store is not None and run is not None and run.extract_deployment:
+        _pull(store, "hidden_states")
+    stats["status"] = publish_status(cfg)
     stats["wall_s"] = round(time.monotonic() - started, 3)
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
     if store is not None:
         store.push_file(cfg.run_dir / "run_summary.json")
     create_markdown_artifact(key="run-summary", markdown=_markdown_summary(stats))
     return stats
+
+
+def publish_status(cfg: PipelineConfig) -> dict[str, Any]:
+    """The `status` view of the run directory as artifacts (markdown + table) and the failed-samples file; logs
+    a warning naming the disagreement when stages do not hold what the stage before them finished."""
+    status = run_status(
+        cfg.run_dir, recipe_digests(cfg, _format(cfg)), cfg.extract.enabled, cfg.extract.skip_failed_validation
+    )
+    failed_file = write_failed_file(status)
+    create_markdown_artifact(key="run-status", markdown=status.markdown())
+    create_table_artifact(
+        key="run-status-table",
+        table=status.rows(),
+        description=f"Samples per dataset and stage in {cfg.run_dir}; failed and quarantined ids in {failed_file}",
+    )
+    if status.quarantined:
+        get_run_logger().warning(
+            "%d input rows quarantined (%s)", len(status.quarantined), cfg.run_dir / "prompts" / "quarantine.jsonl"
+        )
+    if not status.consistent:
+        get_run_logger().warning("stages disagree: %s", "; ".join(status.problems))
+    return {**status.to_dict(), "failed_file": str(failed_file)}
 
 
 def _markdown_summary(stats: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.common.config import PipelineConfig
-from tasks.common.shards import PartRef, expected_build, is_current, read_marker
+from tasks.common.shards import PartRef, expected_build, is_current, read_marker, recipe_digest
 from tasks.reconstruct.completion_format import CompletionFormat
 from tasks.reconstruct.stage import tokens_recipe
 from tasks.validate.checks import validation_recipe
@@ -46,3 +46,14 @@ def hidden_states_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
     from tasks.extract.stage import hidden_states_current  # torch: imported only where extraction is planned
 
     return [p for p in parts if not hidden_states_current(cfg, p)]
+
+
+def recipe_digests(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, str | None]:
+    """Stage -> recipe digest a current part must record, for `status` to tell config-stale parts too."""
+    from tasks.extract.stage import hidden_states_recipe
+
+    return {
+        "tokens": recipe_digest(tokens_recipe(cfg, fmt)),
+        "validation": recipe_digest(validation_recipe(cfg, fmt)),
+        "hidden_states": recipe_digest(hidden_states_recipe(cfg)),
+    }
