@@ -276,6 +276,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"error: {run_dir} is not a run directory (no prompts/ stage folder)", file=sys.stderr)
         return EXIT_ERROR
     recipes = None
+    extract: dict[str, bool] = {}
     if args.config:
         from tasks.common.config import load_config
         from tasks.reconstruct.completion_format import format_for
@@ -284,7 +285,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
         recipes = recipe_digests(cfg, format_for(cfg, load_tokenizer(cfg.tokenizer)))
-    status = run_status(run_dir, recipes)
+        extract = {"extract_enabled": cfg.extract.enabled, "skip_failed_validation": cfg.extract.skip_failed_validation}
+    status = run_status(run_dir, recipes, **extract)
     rows = status.rows()
     if args.json:
         print(json.dumps(status.to_dict(), indent=2, default=str))
