@@ -37,7 +37,16 @@ from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
-from tasks.status.plan import generate_todo, hidden_states_todo, recipe_digests, tokens_todo, validation_todo
+from tasks.status.plan import (
+    generate_todo,
+    hidden_states_todo,
+    recipe_digests,
+    record_report,
+    report_key,
+    reusable_report,
+    tokens_todo,
+    validation_todo,
+)
 from tasks.status.report import run_status, write_failed_file
 from tasks.validate.checks import check_gates, gate_violations, summarize_validation, validate_part
 from tasks.validate.report import artifact_markdown, overview_rows, write_validation_report
@@ -106,7 +115,11 @@ def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
     gates, so a failed gate is explainable from the report and the UI."""
     summary = summarize_validation(cfg)
     violations = gate_violations(summary, cfg.validation)
-    report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
+    key = report_key(cfg.run_dir, cfg.validation.model_dump(mode="json"))
+    report = reusable_report(cfg.run_dir, key)
+    if report is None:
+        report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
+        record_report(cfg.run_dir, key, report)
     create_table_artifact(
         key="validation-summary",
         table=overview_rows(summary),
@@ -166,10 +179,10 @@ def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]
 
 
 def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
-    check_tokenizer_task(cfg)
     if not generate_todo(cfg, parts):
         get_run_logger().info("generate: all %d responses parts complete and current; nothing to send", len(parts))
         return GenerateSummary().to_dict()
+    check_tokenizer_task(cfg)
     stats = generate_task(cfg, parts, len(parts))
     _push(store, cfg, "responses", parts)
     return stats
@@ -191,12 +204,18 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
 def stage_cpu(
     cfg: PipelineConfig, store: RunStore | None, parts: list[int], run: RunParameters | None = None
 ) -> dict[str, Any]:
-    """reconstruct + validate over parts, on threads in this process or on a local Dask cluster."""
-    if run is not None and run.cpu_task_runner == "dask":
+    """reconstruct + validate over parts, on threads in this process or on a local Dask cluster; no subflow at all
+    when every tokens and validation part is current."""
+    out: dict[str, Any]
+    fmt = _format(cfg)
+    built = _done(cfg, "responses", parts), _done(cfg, "tokens", parts)
+    if not tokens_todo(cfg, fmt, built[0]) and not validation_todo(cfg, fmt, built[1]):
+        out = {"reconstruct": _reused(cfg, "tokens", built[0]), "validate": _reused(cfg, "validation", built[1])}
+    elif run is not None and run.cpu_task_runner == "dask":
         from prefect_dask import DaskTaskRunner
 
         runner: Any = DaskTaskRunner(cluster_kwargs={"n_workers": run.dask_workers, "threads_per_worker": 1})
-        out: dict[str, Any] = cpu_stages_flow.with_options(task_runner=runner)(cfg, parts)
+        out = cpu_stages_flow.with_options(task_runner=runner)(cfg, parts)
     else:
         out = cpu_stages_flow(cfg, parts)
     _push(store, cfg, "tokens", parts)

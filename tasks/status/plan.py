@@ -6,10 +6,21 @@ no-op rerun of a finished run directory costs O(parts) small JSON reads.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from tasks.common.config import PipelineConfig
-from tasks.common.shards import PartRef, expected_build, is_current, read_marker, recipe_digest
+from tasks.common.shards import (
+    PartRef,
+    atomic_write_text,
+    done_parts,
+    expected_build,
+    fingerprint,
+    is_current,
+    read_marker,
+    recipe_digest,
+)
 from tasks.reconstruct.completion_format import CompletionFormat
 from tasks.reconstruct.stage import tokens_recipe
 from tasks.validate.checks import validation_recipe
@@ -57,3 +68,31 @@ def recipe_digests(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, str 
         "validation": recipe_digest(validation_recipe(cfg, fmt)),
         "hidden_states": recipe_digest(hidden_states_recipe(cfg)),
     }
+
+
+REPORT_STAMP = "_report_inputs.json"
+"""In the run directory: the inputs key of the last validation report written, and where it was written."""
+
+
+def report_key(run_dir: Path, settings: dict[str, Any]) -> str:
+    """What the validation report is computed from: every finished responses/tokens/validation part's fingerprint
+    and the settings (gates, tolerance) it reports against."""
+    fps = {
+        stage: [fingerprint(r) for r in done_parts(run_dir, stage)] for stage in ("responses", "tokens", "validation")
+    }
+    return recipe_digest({"parts": fps, "settings": settings})
+
+
+def reusable_report(run_dir: Path, key: str) -> Path | None:
+    """The report written from exactly these inputs, if it is still there: a no-op rerun does not redraw plots."""
+    stamp = run_dir / REPORT_STAMP
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+    report = Path(recorded.get("report", ""))
+    return report if recorded.get("key") == key and report.is_file() else None
+
+
+def record_report(run_dir: Path, key: str, report: Path) -> None:
+    atomic_write_text(run_dir / REPORT_STAMP, json.dumps({"key": key, "report": str(report)}))
