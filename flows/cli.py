@@ -60,10 +60,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides=_parse_overrides(args.set or []),
         endpoint_block=args.endpoint_block,
     )
+    from tasks.common.errors import ValidationGateError
     from tasks.generate.progress_display import show_progress
 
-    with show_progress(enabled=not args.no_progress):
-        stats = pipeline(run)
+    try:
+        with show_progress(enabled=not args.no_progress):
+            stats = pipeline(run)
+    except ValidationGateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        print("the report is written; `eagle3-datagen status RUN_DIR` lists the failed samples", file=sys.stderr)
+        return EXIT_GATE
     print(json.dumps({k: stats[k] for k in ("run_dir", "wall_s")}, indent=2))
     _announce_quarantine(Path(stats["run_dir"]))
     if stats.get("status", {}).get("problems"):

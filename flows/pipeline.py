@@ -346,6 +346,9 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
         if quarantine.exists():
             lines.append(f"- quarantined rows: {sum(1 for _ in quarantine.open())}")
         lines.append("Rerunning the same parameters resumes from these parts.")
+        status = run_status(cfg.run_dir, None, cfg.extract.enabled, cfg.extract.skip_failed_validation)
+        lines += ["", status.markdown().replace("# status of", "## status of", 1)]
+        lines.append(f"Failed and quarantined samples: `{write_failed_file(status)}`")
     except Exception as exc:  # the hook must report, never raise: the run has already failed
         lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
     Artifact(type="markdown", key="failure-summary", data="\n".join(lines), flow_run_id=flow_run.id).create()

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from endpoint_sim.responder import FailureRule
-from endpoint_sim.server import SimulatorServer
+from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.cli import EXIT_ERROR, EXIT_GATE, EXIT_INCONSISTENT, main
 from tasks.common.config import load_config
 from tasks.common.errors import EmptyInputError
@@ -131,3 +131,33 @@ def test_an_input_without_valid_rows_is_one_clear_error(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no valid rows" in err[0] and "Traceback" not in err[0]
     assert len((tmp_path / "run" / "prompts" / "quarantine.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_run_exits_at_the_failed_rate_gate_and_the_failure_summary_lists_the_samples(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefect.artifacts import Artifact
+
+    from flows.cli import demo_config_path
+
+    faults = SimConfig(failures=(FailureRule(status=500, rate=0.5, attempts=None),))
+    with SimulatorServer(tiny_model_dir, faults) as sim:
+        sets = {
+            "run_dir": str(tmp_path / "run"),
+            "endpoint.base_url": sim.base_url,
+            "endpoint.max_attempts": 2,
+            "tokenizer.path": str(tiny_model_dir),
+            "extract.enabled": "false",
+            "datasets": json.dumps([{"name": "B1", "path": str(_data(tmp_path)), "max_samples": SAMPLES}]),
+        }
+        argv = ["run", str(demo_config_path()), "--no-progress"]
+        for key, value in sets.items():
+            argv += ["--set", f"{key}={value}"]
+        assert main(argv) == EXIT_GATE
+    err = capsys.readouterr().err
+    assert "error: validation gates crossed" in err and "max_failed_rate 0.05" in err
+    summary = Artifact.get("failure-summary")
+    assert summary is not None and "http_500" in str(summary.data)
+    lines = (tmp_path / "run" / "failed_samples.jsonl").read_text().splitlines()
+    assert any(json.loads(line)["reason"] == "http_500" for line in lines)
