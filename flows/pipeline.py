@@ -288,7 +288,7 @@ def run_pipeline(
             stats["extract"] = run_extract(cfg, parts, store)
     if store is not None and run is not None and run.extract_deployment:
         _pull(store, "hidden_states")
-    stats["status"] = publish_status(cfg)
+    stats["status"] = publish_status(cfg, extracted_here=not (run is not None and run.extract_deployment))
     stats["wall_s"] = round(time.monotonic() - started, 3)
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
     if store is not None:
@@ -297,12 +297,15 @@ def run_pipeline(
     return stats
 
 
-def publish_status(cfg: PipelineConfig) -> dict[str, Any]:
+def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str, Any]:
     """The `status` view of the run directory as artifacts (markdown + table) and the failed-samples file; logs
-    a warning naming the disagreement when stages do not hold what the stage before them finished."""
-    status = run_status(
-        cfg.run_dir, recipe_digests(cfg, _format(cfg)), cfg.extract.enabled, cfg.extract.skip_failed_validation
-    )
+    a warning naming the disagreement when stages do not hold what the stage before them finished. Hidden-state
+    parts extracted on the GPU pool are checked against their inputs only: that host's model path and backend
+    block are not this host's to judge."""
+    recipes = recipe_digests(cfg, _format(cfg))
+    if not extracted_here:
+        recipes.pop("hidden_states")
+    status = run_status(cfg.run_dir, recipes, cfg.extract.enabled, cfg.extract.skip_failed_validation)
     failed_file = write_failed_file(status)
     create_markdown_artifact(key="run-status", markdown=status.markdown())
     create_table_artifact(

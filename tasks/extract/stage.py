@@ -101,7 +101,8 @@ EXTRACT_CODE_VERSION = 1
 
 def hidden_states_recipe(cfg: PipelineConfig) -> dict[str, Any]:
     """What shapes a hidden-states part besides its inputs, from the config alone (deciding that a part is
-    current must not load the model). Batching and device knobs are left out: they do not change the states."""
+    current must not load the model). Batching, device and shard-size knobs are left out: they do not change the
+    states, and re-extracting for them would cost GPU hours."""
     ecfg = cfg.extract
     model_config = cfg.extract_model_path / "config.json"
     model_digest = hashlib.sha256(model_config.read_bytes()).hexdigest() if model_config.is_file() else None
@@ -115,7 +116,6 @@ def hidden_states_recipe(cfg: PipelineConfig) -> dict[str, Any]:
         "dtype": ecfg.dtype,
         "store_final_state": ecfg.store_final_state,
         "skip_failed_validation": ecfg.skip_failed_validation,
-        "max_shard_bytes": ecfg.max_shard_bytes,
     }
 
 
