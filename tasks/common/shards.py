@@ -188,7 +188,7 @@ def fingerprint(ref: PartRef) -> str | None:
 
     It covers the part's content digest and its own lineage, so a change anywhere upstream reaches every stage
     below (hidden-state data files change with their tokens even when the index rows do not). A marker from
-    before lineage was recorded is identified by its size and write time, so it is rebuilt once, downstream.
+    before lineage was recorded is identified by its size and completion time.
     """
     if not ref.is_done():
         return None
@@ -220,7 +220,26 @@ def part_state(ref: PartRef, build: Build) -> PartState:
         marker = read_marker(ref)
     except (OSError, ValueError):
         return "missing"
+    if "inputs" not in marker:
+        return "current" if _legacy_current(ref, marker, build) else "stale"
     return "current" if build.matches(marker) else "stale"
+
+
+def _legacy_current(ref: PartRef, marker: Mapping[str, Any], build: Build) -> bool:
+    """A marker from before lineage was recorded is judged like `make` judges files: current when every input
+    part present now finished before it did. A run directory from an older version is thus not rebuilt (nor
+    re-extracted) wholesale on upgrade, while a responses part retried after its tokens part still counts."""
+    finished = float(marker.get("finished_at") or 0.0)
+    for stage, fp in build.inputs.items():
+        if fp is None:
+            continue
+        try:
+            upstream = read_marker(ref.with_stage(stage))
+        except (OSError, ValueError):
+            return False
+        if float(upstream.get("finished_at") or 0.0) > finished:
+            return False
+    return True
 
 
 def is_current(ref: PartRef, build: Build) -> bool:
