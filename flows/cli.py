@@ -1,5 +1,5 @@
-"""`eagle3-datagen` command line: `run CONFIG.yaml`, `demo`, `generate CONFIG.yaml` (no Prefect), and
-`export RUN_DIR` (trainer layouts).
+"""`eagle3-datagen` command line: `run CONFIG.yaml`, `demo`, `generate CONFIG.yaml` (no Prefect),
+`export RUN_DIR` (trainer layouts) and `status RUN_DIR` (what each stage holds).
 
 Prefect is imported lazily, after the environment defaults below are in place, because its settings are read
 once at import time; `generate` and `export` never import it.
@@ -60,11 +60,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides=_parse_overrides(args.set or []),
         endpoint_block=args.endpoint_block,
     )
+    from tasks.common.errors import ValidationGateError
     from tasks.generate.progress_display import show_progress
 
-    with show_progress(enabled=not args.no_progress):
-        stats = pipeline(run)
+    try:
+        with show_progress(enabled=not args.no_progress):
+            stats = pipeline(run)
+    except ValidationGateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        print("the report is written; `eagle3-datagen status RUN_DIR` lists the failed samples", file=sys.stderr)
+        return EXIT_GATE
     print(json.dumps({k: stats[k] for k in ("run_dir", "wall_s")}, indent=2))
+    _announce_quarantine(Path(stats["run_dir"]))
+    if stats.get("status", {}).get("problems"):
+        print("stages disagree: " + "; ".join(stats["status"]["problems"]), file=sys.stderr)
     if stats.get("stopped") == "budget":
         from tasks.generate.engine import budget_stop_message
 
@@ -97,6 +106,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stats = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides))
     wall_s = time.monotonic() - started
     print_demo_summary(stats, wall_s)
+    _announce_quarantine(run_dir)
     return 0
 
 
@@ -130,6 +140,18 @@ def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
 EXIT_BUDGET = 3
 EXIT_FATAL_ENDPOINT = 2
 EXIT_ERROR = 1
+EXIT_GATE = 4
+"""More samples failed than `validation.max_failed_rate` allows (generate); the failed ids are in the status file."""
+EXIT_INCONSISTENT = 5
+"""`status`: stages disagree (stale parts, samples missing from a stage); a rerun rebuilds them."""
+
+
+def _announce_quarantine(run_dir: Path) -> None:
+    from tasks.status.report import quarantine_notice
+
+    notice = quarantine_notice(run_dir)
+    if notice:
+        print(notice, file=sys.stderr)
 
 
 def generate_without_prefect(
@@ -217,10 +239,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (DatagenError, EndpointUnavailableError) as exc:
         print(f"error: {type(exc).__name__}: {redact(exc)}", file=sys.stderr)
         return EXIT_ERROR
-    print_dataset_table(dataset_rows(cfg.run_dir, parts))
+    rows = dataset_rows(cfg.run_dir, parts)
+    print_dataset_table(rows)
     print(json.dumps(summary.total(), default=str), flush=True)
+    _announce_quarantine(cfg.run_dir)
     if summary.stopped != "budget":
-        return 0
+        from tasks.status.report import failed_rate_violations
+
+        crossed = failed_rate_violations(rows, cfg.validation.max_failed_rate)
+        for line in crossed:
+            print(
+                f"error: {line}; rerun to retry them, `eagle3-datagen status {cfg.run_dir}` lists them", file=sys.stderr
+            )
+        return EXIT_GATE if crossed else 0
     print(
         f"{budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd)} In {cfg.run_dir}, e.g.: "
         f"eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
@@ -243,6 +274,53 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     print(json.dumps(stats, indent=2))
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """No Prefect, no model: reads markers and id columns. Exit 0 when every stage holds what the stage before it
+    finished, EXIT_INCONSISTENT when stages disagree, EXIT_ERROR when RUN_DIR is no run directory."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.status.report import run_status, write_failed_file
+
+    run_dir = Path(args.run_dir).resolve()
+    if not (run_dir / "prompts").is_dir():
+        print(f"error: {run_dir} is not a run directory (no prompts/ stage folder)", file=sys.stderr)
+        return EXIT_ERROR
+    recipes = None
+    extract: dict[str, bool] = {}
+    if args.config:
+        from tasks.common.config import load_config
+        from tasks.reconstruct.completion_format import format_for
+        from tasks.reconstruct.tokenizer_loading import load_tokenizer
+        from tasks.status.plan import recipe_digests
+
+        cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
+        recipes = recipe_digests(cfg, format_for(cfg, load_tokenizer(cfg.tokenizer)))
+        extract = {"extract_enabled": cfg.extract.enabled, "skip_failed_validation": cfg.extract.skip_failed_validation}
+    status = run_status(run_dir, recipes, **extract)
+    rows = status.rows()
+    if args.json:
+        print(json.dumps(status.to_dict(), indent=2, default=str))
+    else:
+        console = Console() if Console().is_terminal else Console(width=200)
+        table = Table(title=f"status of {run_dir}")
+        for column in rows[0] if rows else ["dataset"]:
+            table.add_column(column, justify="left" if column in ("dataset", "stage", "failed_by_reason") else "right")
+        for row in rows:
+            table.add_row(*(str(v) for v in row.values()))
+        console.print(table)
+    failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
+    if status.failed or status.quarantined:
+        print(
+            f"{len(status.failed)} failed samples, {len(status.quarantined)} quarantined rows: listed in {failed_file}",
+            file=sys.stderr,
+        )
+    _announce_quarantine(run_dir)
+    for problem in status.problems:
+        print(f"stages disagree: {problem}", file=sys.stderr)
+    return 0 if status.consistent else EXIT_INCONSISTENT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,6 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--draft-vocab-size", type=int, help="also write d2t/t2d with the trainer's own utility")
     export.add_argument("--target-model", help="target model directory (default: the one extract recorded)")
     export.set_defaults(func=cmd_export)
+    status = sub.add_parser(
+        "status", help="samples expected/done/failed/stale/missing per dataset and stage (exit 5: stages disagree)"
+    )
+    status.add_argument("run_dir")
+    status.add_argument("--config", help="also mark parts built with another config (format, layers...) stale")
+    status.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a --config value")
+    status.add_argument("--failed-out", help="where to write failed + quarantined samples (JSONL)")
+    status.add_argument("--json", action="store_true", help="print the status as JSON instead of a table")
+    status.set_defaults(func=cmd_status)
     return parser
 
 

@@ -222,3 +222,85 @@ def test_deployed_pipeline_runs_on_workers_and_retries_a_transient_outage(
     }
     for kind, records in recorded.items():
         assert records and "SECRET-KEY" not in json.dumps(records), f"API key leaked into the server's {kind}"
+
+
+def _ensure_deployed(c: Cluster) -> None:
+    """Pools, blocks, deployments and the three workers, once per cluster (the test above may have done it)."""
+    if any("worker" in proc.args for proc in c.procs if isinstance(proc.args, list)):
+        return
+    setup = subprocess.run(
+        ["bash", "deployments/setup.sh"], env=c.client_env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert setup.returncode == 0, f"{setup.stdout}\n{setup.stderr}"
+    for i, pool in enumerate(["eagle3-cpu", "eagle3-cpu", "eagle3-gpu"]):
+        c.spawn(
+            [PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--name", f"{pool}-{i}"],
+            c.client_env,
+            f"worker-{i}.log",
+        )
+
+
+@pytest.mark.slow
+def test_nightly_rerun_after_a_faulty_night_completes_every_stage(
+    cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Night 1: half the requests fail for good, the failed-rate gate stops the run after the report. Night 2: the
+    endpoint is healthy, failed samples are retried and every later stage follows its changed inputs."""
+    import pyarrow as pa
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks import ArtifactStoreBlock, HiddenStateBackendBlock, InferenceEndpointBlock
+    from endpoint_sim.responder import FailureRule
+    from tasks.common.shards import read_part
+    from tasks.status.report import run_status
+
+    c = cluster
+    _ensure_deployed(c)
+    runs_root = tmp_path / "nightly-runs"
+    faults = SimConfig(failures=(FailureRule(status=500, rate=0.5, attempts=None),))
+    with SimulatorServer(tiny_model_dir, faults) as sim:
+        with temporary_settings({PREFECT_API_URL: c.url}):
+            InferenceEndpointBlock(kind="sglang_generate", base_url=sim.base_url, model="sim/tiny").save(
+                "eagle3-endpoint", overwrite=True
+            )
+            ArtifactStoreBlock(location=str(runs_root)).save("eagle3-runs", overwrite=True)
+            HiddenStateBackendBlock(backend="hf", device="cpu", dtype="bfloat16").save(
+                "eagle3-gpu-backend", overwrite=True
+            )
+        deployment = c.api("GET", "/deployments/name/eagle3-pipeline/nightly-rerun")
+        run_params = {
+            **deployment["parameters"]["run"],
+            "config_path": str(demo_config_path()),
+            "overrides": {"run_dir": "nightly", "tokenizer.path": str(tiny_model_dir), "samples_per_shard": 24},
+        }
+        nights = []
+        for night in range(2):
+            if night == 1:
+                sim.update_config(failures=())
+            flow_run = c.api(
+                "POST", f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"run": run_params}}
+            )
+            nights.append((flow_run["id"], _wait_flow_run(c, flow_run["id"])))
+
+    first, second = (final["state"] for _, final in nights)
+    assert first["type"] == "FAILED" and "max_failed_rate" in (first["message"] or ""), first
+    assert second["type"] == "COMPLETED", second
+
+    run_dir = runs_root / "nightly"
+    status = run_status(run_dir)
+    assert status.consistent, status.problems
+    assert "hidden_states" in status.stages and not status.failed
+    expected = sum(c.expected for c in (by_stage["responses"] for by_stage in status.counts.values()))
+    assert expected == 80 and len(status.quarantined) == 9  # the demo's samples and malformed rows
+    for dataset, by_stage in status.counts.items():
+        assert by_stage["responses"].done == by_stage["tokens"].done == by_stage["validation"].expected, dataset
+    validation = pa.concat_tables([read_part(r, ["sample_id", "verdict"]) for r in done_parts(run_dir, "validation")])
+    kept = {
+        s for s, v in zip(*(validation[k].to_pylist() for k in ("sample_id", "verdict")), strict=True) if v != "fail"
+    }
+    index = pa.concat_tables([read_part(r, ["sample_id"]) for r in done_parts(run_dir, "hidden_states")])
+    assert set(index["sample_id"].to_pylist()) == kept
+
+    artifacts = c.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [nights[1][0]]}}})
+    markdown = next(a for a in artifacts if a["key"] == "run-status")
+    assert "**consistent**" in markdown["data"]

@@ -71,21 +71,26 @@ class RunStore:
         return local
 
     def pull_stage(self, stage: str, parts: Iterable[int] | None = None) -> list[int]:
-        """Fetch the remote finished parts this host lacks (data files, then the marker)."""
+        """Fetch the remote finished parts this host lacks or holds in another build (data files, then the marker).
+
+        A local part counts as the same only when its marker is byte-identical to the remote one: a part rebuilt
+        on another host (new inputs, new recipe) replaces the local copy, whose marker goes first."""
         wanted = set(parts) if parts is not None else None
         pulled = []
         for part in self.remote_parts(stage):
             if wanted is not None and part not in wanted:
                 continue
             ref = PartRef(self.local_run_dir, stage, part)
-            if ref.is_done():
+            rel_marker = ref.marker.relative_to(self.local_run_dir).as_posix()
+            if ref.is_done() and ref.marker.read_bytes() == self.fs.cat_file(self._remote(rel_marker)):
                 continue
+            ref.marker.unlink(missing_ok=True)
             rel_part = ref.path.relative_to(self.local_run_dir).as_posix()
             self.pull_file(rel_part)
             if stage == "hidden_states":
                 for shard in self._data_files(ref):
                     self.pull_file(shard.relative_to(self.local_run_dir).as_posix())
-            self.pull_file(ref.marker.relative_to(self.local_run_dir).as_posix())
+            self.pull_file(rel_marker)
             pulled.append(part)
         return pulled
 

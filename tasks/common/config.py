@@ -157,7 +157,12 @@ class ReconstructConfig(StrictModel):
 class ValidationConfig(StrictModel):
     billing_tolerance_frac: float = Field(default=0.02, ge=0)
     max_real_difference_rate: float = Field(default=0.01, ge=0, le=1)
-    max_failed_rate: float = Field(default=1.0, ge=0, le=1)
+    max_failed_rate: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="Gate on a dataset's failed responses / responses; `generate` and `run` exit non-zero above it.",
+    )
     allowed_finish_reasons: list[str] = Field(default_factory=lambda: ["stop"])
     max_bpe_artifact_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over referenced samples.")
     max_fail_verdict_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over validated samples.")

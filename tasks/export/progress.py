@@ -4,7 +4,8 @@ Both trainer layouts address samples by a global index (SpecForge's `data_{i}.ck
 i and `hs_{i}.safetensors`). Training samples come first, numbered part by part in part order, then the
 validation samples (`split.py`: whole prompts), likewise: speculators' reader takes its validation split as the
 tail of the rows, so the tail must be the held-out prompts. A part's marker records the indices and samples it
-holds, so a rerun skips a part only when the same samples would land at the same indices, and rewrites it
+holds and the fingerprints of the hidden-states and tokens parts they were read from, so a rerun skips a part
+only when the same samples, built from the same inputs, would land at the same indices, and rewrites it
 otherwise. The manifest (`eagle3_export.json`) is written last: an export directory without it is unfinished
 and must not be trained on.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.common.shards import atomic_write_text, part_name
+from tasks.common.shards import atomic_write_text, fingerprint, part_name
 from tasks.export.errors import ExportError
 from tasks.export.source import SourcePart
 
@@ -40,11 +41,14 @@ class PartSlot:
         return len(self.part.rows)
 
     def marker_content(self, fmt: str) -> dict[str, Any]:
+        ref = self.part.ref
+        inputs = {stage: fingerprint(ref.with_stage(stage)) for stage in (ref.stage, "tokens")}
         return {
             "format": fmt,
             "indices": self.indices,
             "sample_ids": self.part.sample_ids,
             "validation": self.validation,
+            "inputs": inputs,
         }
 
 

@@ -55,7 +55,7 @@ import pyarrow as pa
 from tasks.common.config import PipelineConfig, ValidationConfig
 from tasks.common.errors import ConfigError, ReconstructionError, ValidationGateError
 from tasks.common.schemas import VALIDATION
-from tasks.common.shards import PartRef, done_parts, read_marker, read_part, write_part
+from tasks.common.shards import PartRef, done_parts, expected_build, is_current, read_marker, read_part, write_part
 from tasks.reconstruct.completion_format import (
     KNOWN_REASONING_TAGS,
     CompletionFormat,
@@ -65,7 +65,7 @@ from tasks.reconstruct.completion_format import (
     normalized_parts,
 )
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
-from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_provenance
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_hash, tokenizer_provenance
 from tasks.validate.fidelity import (
     PROMPT_MATCHES,
     TOOL_CALL_MARKERS,
@@ -478,10 +478,30 @@ def validate_tables(
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
+VALIDATE_CODE_VERSION = 1
+"""Bump when a code change alters the validation rows computed from the same inputs."""
+
+
+def validation_recipe(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, Any]:
+    """What shapes a validation part besides its tokens and responses parts; gate limits are not in it (the
+    gates read the parts, they do not change them)."""
+    vcfg = cfg.validation
+    return {
+        "stage": "validation",
+        "code_version": VALIDATE_CODE_VERSION,
+        "tokenizer_hash": tokenizer_hash(cfg.tokenizer.path),
+        "completion_format": fmt.describe(),
+        "billing_tolerance_frac": vcfg.billing_tolerance_frac,
+        "allowed_finish_reasons": list(vcfg.allowed_finish_reasons),
+    }
+
+
 def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict[str, Any]:
-    """Write `validation/part-NNNNN` for the tokens part with the same index (idempotent)."""
+    """Write `validation/part-NNNNN` for the tokens part with the same index (idempotent; rebuilt when its tokens
+    or responses part changed or its recipe did)."""
     out = PartRef(cfg.run_dir, "validation", part)
-    if out.is_done():
+    build = expected_build(out, validation_recipe(cfg, fmt))
+    if is_current(out, build):
         return {**read_marker(out)["stats"], "reused": True}
     tokenizer = load_tokenizer(cfg.tokenizer)
     tokens = read_part(out.with_stage("tokens"))
@@ -494,7 +514,7 @@ def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict
         "completion_format": fmt.name,
         "validation": cfg.validation.model_dump(mode="json"),
     }
-    write_part(out, table, provenance, stats)
+    write_part(out, table, provenance, stats, build)
     return {**stats, "reused": False}
 
 
