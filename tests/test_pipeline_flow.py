@@ -132,7 +132,7 @@ def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summa
         state = pipeline(run, return_state=True)
     assert state.is_failed()
     assert "real_difference" in (state.message or "") or "gate" in (state.message or "").lower()
-    assert (run_dir / "validation" / "report.md").exists()
+    assert (run_dir / "reports" / "report.md").exists()
     assert not done_parts(run_dir, "hidden_states"), "extraction must not run past a crossed gate"
     summary = Artifact.get("failure-summary")
     assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id

@@ -57,3 +57,7 @@ class EndpointUnavailableError(ConnectionError):
     Deliberately not a DatagenError: it is transient, so Prefect retries the task instead of failing the run,
     and no sample is marked failed for an outage of the whole endpoint.
     """
+
+
+class EmptyInputError(ConfigError):
+    """A dataset gave no prompt at all: its file is empty, or every row was quarantined."""
