@@ -87,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.endpoint_block:  # a config mistake is reported before a Prefect server is started for nothing
         from tasks.common.config import load_config
 
-        load_config(config_path, overrides)
+        _preflight(load_config(config_path, overrides), probe=not args.dry_run)
     from flows.params import RunParameters
     from flows.pipeline import pipeline
 
@@ -113,6 +113,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _preflight(cfg: PipelineConfig, probe: bool) -> None:
+    """Inputs exist, the run directory is writable, the endpoint answers: before anything starts."""
+    from tasks.common.preflight import check_inputs, check_run_dir_writable
+
+    check_inputs(cfg)
+    check_run_dir_writable(cfg.run_dir)
+    if probe:
+        from tasks.generate.health import probe_endpoint
+
+        probe_endpoint(cfg.endpoint)
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     """No Prefect and no completion request: reads the datasets and the run directory, may read a models listing."""
     from tasks.common.config import load_config
@@ -120,6 +132,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from tasks.estimate.estimate import estimate_run
 
     cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
+    from tasks.common.preflight import check_inputs
+
+    check_inputs(cfg)
     observed = Path(args.observed).resolve() if args.observed else None
     estimate = estimate_run(cfg, observed_run_dir=observed, price_lookup=not args.no_price_lookup)
     if args.json:
@@ -279,6 +294,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
     _SECRETS.append(_redactor(cfg))
+    _preflight(cfg, probe=True)
     with show_progress(enabled=not args.no_progress):
         summary, parts = generate_without_prefect(cfg)
     print_dataset_table(dataset_rows(cfg.run_dir, parts))

@@ -19,8 +19,6 @@ from typing import Any
 import httpx
 import pytest
 
-from endpoint_sim.server import SimConfig, SimulatorServer
-from flows.cli import demo_config_path
 from tasks.common.schemas import STAGES
 from tasks.common.shards import done_parts
 
@@ -137,59 +135,103 @@ def _state_names(c: Cluster, task_run_id: str, timeout_s: float = 30) -> list[st
     return names
 
 
-def test_deployed_pipeline_runs_on_workers_and_retries_a_transient_outage(
-    cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+def _start_documented_simulator(c: Cluster, config: dict[str, Any]) -> str:
+    """README step: `python -m endpoint_sim --model-dir runs/_assets/tiny-deepseek-v31 --build-tiny-model`
+    (any free port instead of 30000, plus the outage this test wants the generate task to survive)."""
+    port_file = c.root / "sim.port"
+    (c.root / "sim.json").write_text(json.dumps(config))
+    c.spawn(
+        [
+            sys.executable,
+            "-m",
+            "endpoint_sim",
+            "--model-dir",
+            str(REPO / "runs" / "_assets" / "tiny-deepseek-v31"),
+            "--build-tiny-model",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--config-json",
+            str(c.root / "sim.json"),
+        ],
+        c.client_env,
+        "sim.log",
+    )
+    deadline = time.monotonic() + 300
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"simulator did not start:\n{(c.root / 'sim.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    return f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+
+def _trigger(c: Cluster, name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the UI's Run button does: POST create_flow_run with the deployment's (form) parameters."""
+    deployment = c.api("GET", f"/deployments/name/{name}")
+    body = {"parameters": parameters if parameters is not None else deployment["parameters"]}
+    flow_run: dict[str, Any] = c.api("POST", f"/deployments/{deployment['id']}/create_flow_run", json=body)
+    final = _wait_flow_run(c, flow_run["id"])
+    assert final["state"]["type"] == "COMPLETED", (name, final["state"])
+    return final
+
+
+def _artifact_keys(c: Cluster, flow_run_id: str) -> set[str]:
+    artifacts = c.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    return {a["key"] for a in artifacts}
+
+
+def test_shipped_deployments_run_from_the_run_button_on_workers_and_retry_a_transient_outage(
+    cluster: Cluster, tmp_path: Path
 ) -> None:
+    """The README's setup steps as written, then every deployment of deployments/prefect.yaml triggered with its
+    shipped parameters (configs/run.yaml, the shipped block names); nightly-rerun's form switches on Dask."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from blocks import ArtifactStoreBlock, HiddenStateBackendBlock, InferenceEndpointBlock
+    from blocks import InferenceEndpointBlock
 
     c = cluster
     runs_root = tmp_path / "shared-runs"
+    sim_url = _start_documented_simulator(c, {"noncanonical_rate": 0.2, "unavailable_probes": 1})
+    demo = {"EAGLE3_DEMO_BLOCKS": "1", "EAGLE3_DEMO_ENDPOINT": sim_url, "EAGLE3_DEMO_RUNS_DIR": str(runs_root)}
     setup = subprocess.run(
-        ["bash", "deployments/setup.sh"], env=c.client_env, cwd=REPO, capture_output=True, text=True, timeout=300
+        ["bash", "deployments/setup.sh"],
+        env={**c.client_env, **demo},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert setup.returncode == 0, f"{setup.stdout}\n{setup.stderr}"
-    assert "registered 4 blocks" in setup.stdout
+    assert "registered 4 blocks" in setup.stdout and "saved demo blocks" in setup.stdout
     assert c.api("GET", "/work_pools/eagle3-gpu")["concurrency_limit"] == 1
     for slug in ("eagle3-artifact-store", "eagle3-hidden-state-backend", "eagle3-inference-endpoint"):
         assert c.api("GET", f"/block_types/slug/{slug}")["slug"] == slug
+    nightly = c.api("GET", "/deployments/name/eagle3-pipeline/nightly-rerun")
+    assert nightly["schedules"] and not any(s["active"] for s in nightly["schedules"]), "schedules ship paused"
 
-    with SimulatorServer(tiny_model_dir, SimConfig(noncanonical_rate=0.2, unavailable_probes=1)) as sim:
-        with temporary_settings({PREFECT_API_URL: c.url}):
-            InferenceEndpointBlock(
-                kind="sglang_generate", base_url=sim.base_url, model="sim/tiny", api_key="sk-e2e-SECRET-KEY"
-            ).save("eagle3-endpoint", overwrite=True)
-            ArtifactStoreBlock(location=str(runs_root)).save("eagle3-runs", overwrite=True)
-            HiddenStateBackendBlock(backend="hf", device="cpu", dtype="bfloat16").save(
-                "eagle3-gpu-backend", overwrite=True
-            )
+    with temporary_settings({PREFECT_API_URL: c.url}):  # README step 2: your own endpoint block, with its key
+        InferenceEndpointBlock(
+            kind="sglang_generate", base_url=sim_url, model="sim/tiny", api_key="sk-e2e-SECRET-KEY"
+        ).save("eagle3-endpoint", overwrite=True)
 
-        for i, pool in enumerate(["eagle3-cpu", "eagle3-cpu", "eagle3-gpu"]):
-            c.spawn(
-                [PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--name", f"{pool}-{i}"],
-                c.client_env,
-                f"worker-{i}.log",
-            )
-
-        deployment = c.api("GET", "/deployments/name/eagle3-pipeline/pipeline")
-        assert deployment["parameter_openapi_schema"]["properties"]["run"], "UI run form must come from the model"
-        run_params = {
-            **deployment["parameters"]["run"],
-            "config_path": str(demo_config_path()),
-            "overrides": {"run_dir": "e2e", "tokenizer.path": str(tiny_model_dir), "samples_per_shard": 24},
-            "cpu_task_runner": "dask",
-            "dask_workers": 2,
-        }
-        flow_run = c.api(
-            "POST", f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"run": run_params}}
+    for i, pool in enumerate(["eagle3-cpu", "eagle3-cpu", "eagle3-gpu"]):
+        c.spawn(
+            [PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--name", f"{pool}-{i}"],
+            c.client_env,
+            f"worker-{i}.log",
         )
-        final = _wait_flow_run(c, flow_run["id"])
-        assert final["state"]["type"] == "COMPLETED", final["state"]
 
-    run_dir = runs_root / "e2e"
+    deployment = c.api("GET", "/deployments/name/eagle3-pipeline/pipeline")
+    assert deployment["parameter_openapi_schema"]["properties"]["run"], "UI run form must come from the model"
+    assert deployment["parameters"]["run"]["config_path"] == "configs/run.yaml"
+    assert (REPO / "configs" / "run.yaml").is_file()
+    pipeline_run = _trigger(c, "eagle3-pipeline/pipeline")
+
+    run_dir = runs_root / "run"
     for stage in STAGES:
         assert done_parts(run_dir, stage), f"no finished {stage} parts in {run_dir}"
+    parts = len(done_parts(run_dir, "hidden_states"))
 
     workers = c.api("POST", "/work_pools/eagle3-cpu/workers/filter", json={})
     assert len(workers) == 2
@@ -197,20 +239,28 @@ def test_deployed_pipeline_runs_on_workers_and_retries_a_transient_outage(
     extract_runs = c.api(
         "POST",
         "/flow_runs/filter",
-        json={"flow_runs": {"parent_flow_run_id": {"any_": [flow_run["id"]]}}},
+        json={"flow_runs": {"parent_flow_run_id": {"any_": [pipeline_run["id"]]}}},
     )
     gpu_runs = [r for r in extract_runs if r.get("work_pool_name") == "eagle3-gpu"]
     assert gpu_runs and all(r["state"]["type"] == "COMPLETED" for r in gpu_runs), extract_runs
+    assert "extract-summary" in _artifact_keys(c, gpu_runs[0]["id"])
 
-    artifacts = c.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
-    assert {"validation-summary", "run-summary"} <= {a["key"] for a in artifacts}
+    keys = _artifact_keys(c, pipeline_run["id"])
+    assert {"validation-summary", "run-summary", "estimate"} <= keys
+    summary = c.api("GET", "/artifacts/run-summary/latest")["data"]
+    assert f"| hidden_states | {parts} |" in summary, summary
 
-    task_runs = c.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+    task_runs = c.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [pipeline_run["id"]]}}})
     generate = [t for t in task_runs if t["name"].startswith("generate")]
     assert len(generate) == 1
     names = _state_names(c, generate[0]["id"])
     assert "Retrying" in names and names[-1] == "Completed", names
     assert names.index("Retrying") < len(names) - 1
+
+    _trigger(c, "eagle3-extract/extract-gpu")
+    nightly_params = {"run": {**nightly["parameters"]["run"], "cpu_task_runner": "dask", "dask_workers": 2}}
+    _trigger(c, "eagle3-pipeline/nightly-rerun", nightly_params)
+    assert len(done_parts(run_dir, "hidden_states")) == parts, "a rerun of a finished run adds nothing"
 
     for path in [*run_dir.rglob("*.parquet"), *run_dir.rglob("*.json"), *c.root.glob("*.log")]:
         assert b"SECRET-KEY" not in path.read_bytes(), f"API key leaked into {path}"

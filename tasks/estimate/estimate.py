@@ -18,7 +18,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig
-from tasks.common.errors import ConfigError
+from tasks.common.errors import ConfigError, EmptyInputError
 from tasks.common.messages import Message, response_sample_id, sample_id
 from tasks.common.shards import done_parts, read_part
 from tasks.estimate.errors import EstimateOverBudgetError
@@ -207,6 +207,11 @@ def estimate_run(
             tokens = sum(len(render_prompt_ids(tokenizer, prefix, kwargs)) for prefix in prefixes)
             est.requests += len(prefixes) * len(pending)
             est.prompt_tokens += tokens * len(pending)
+        if not seen:
+            what = f"all {est.quarantined} rows were quarantined" if est.quarantined else "it holds no rows"
+            raise EmptyInputError(
+                f"dataset {ds.name} ({ds.path}): {what}, no usable prompt; check the file and datasets[].shape"
+            )
         _complete(est, observed, cfg.sampling.max_tokens)
         rows.append(est)
     latencies = observed.latencies_s
