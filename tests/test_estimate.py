@@ -117,3 +117,32 @@ def test_a_cap_below_the_low_end_is_refused_before_anything_is_sent(
     assert main(["estimate", str(demo_config_path()), *_set_args(overrides)]) == 3
     assert "exceeds endpoint.max_cost_usd" in capsys.readouterr().err
     assert _completion_requests(sim) == 0
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_flow_estimates_first_stops_on_dry_run_and_refuses_above_the_cap(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    from prefect.artifacts import Artifact
+
+    from flows.params import RunParameters
+    from flows.pipeline import pipeline
+
+    sim.reset_stats()
+    dry = RunParameters(
+        config_path=str(demo_config_path()), overrides=_overrides(tmp_path / "dry", sim, tokenizer_dir), dry_run=True
+    )
+    stats = pipeline(dry)
+    assert stats["dry_run"] and stats["estimate"]["requests"] == 80
+    assert "prompt tokens (exact)" in stats["estimate"]["text"]
+    estimate = Artifact.get("estimate")
+    assert estimate is not None and "nothing sent" in str(estimate.data)
+    assert _completion_requests(sim) == 0 and not (tmp_path / "dry" / "responses").exists()
+
+    capped = RunParameters(
+        config_path=str(demo_config_path()),
+        overrides=_overrides(tmp_path / "capped", sim, tokenizer_dir, **{"endpoint.max_cost_usd": 0.0001}),
+    )
+    state = pipeline(capped, return_state=True)
+    assert state.is_failed() and "exceeds endpoint.max_cost_usd" in (state.message or "")
+    assert _completion_requests(sim) == 0

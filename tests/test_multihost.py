@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from tasks.common.schemas import STAGES
+from tests.conftest import DEMO_DATA
 from tests.prefect_cluster import BUCKET, Cluster, dump, s3_fs
 
 RUN = "multihost"
@@ -46,7 +47,12 @@ def test_a_killed_cpu_host_loses_nothing_and_the_rerun_completes_from_the_store(
     c.sim("POST", "/_sim/config", json={"unavailable_probes": 0, "noncanonical_rate": 0.1})
     c.sim("POST", "/_sim/reset")
     shipped = c.api("GET", "/deployments/name/eagle3-pipeline/pipeline")["parameters"]["run"]
-    params = {"run": {**shipped, "overrides": {"run_dir": RUN}}}
+    small = {  # lean: 12 samples in 2 parts are enough to kill a host between parts of the pipeline
+        "run_dir": RUN,
+        "samples_per_shard": 6,
+        "datasets": [{"name": "B1", "path": str(DEMO_DATA / "demo_b1.jsonl"), "max_samples": 12}],
+    }
+    params = {"run": {**shipped, "overrides": small}}
 
     first = c.trigger("eagle3-pipeline/pipeline", params)
     fs = s3_fs(c)
