@@ -157,6 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
     from tasks.generate.progress_display import show_progress
 
+    _quiet_prefect_console()
     run_dir = Path(args.run_dir).resolve()
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)

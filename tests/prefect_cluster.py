@@ -168,23 +168,31 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _start_s3(c: Cluster) -> None:
+def _start_s3(c: Cluster) -> Any:
     port = free_port()
     proc = c.spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], c.client_env, "s3.log")
     c.s3_url = f"http://127.0.0.1:{port}"
-    wait_until("moto S3 server", lambda: httpx.get(c.s3_url, timeout=2).status_code < 500, proc, c.root / "s3.log")
-    httpx.put(f"{c.s3_url}/{BUCKET}", timeout=10).raise_for_status()
+
+    def ready() -> None:
+        wait_until("moto S3 server", lambda: httpx.get(c.s3_url, timeout=2).status_code < 500, proc, c.root / "s3.log")
+        httpx.put(f"{c.s3_url}/{BUCKET}", timeout=10).raise_for_status()
+
+    return ready
 
 
-def _start_documented_simulator(c: Cluster) -> None:
+def _start_documented_simulator(c: Cluster) -> Any:
     """README step: `python -m endpoint_sim --model-dir runs/_assets/tiny-deepseek-v31 --build-tiny-model`
     (any free port instead of 30000)."""
     port_file = c.root / "sim.port"
     args = [sys.executable, "-m", "endpoint_sim", "--model-dir", str(REPO / "runs" / "_assets" / "tiny-deepseek-v31")]
     args += ["--build-tiny-model", "--port", "0", "--port-file", str(port_file)]
     proc = c.spawn(args, c.client_env, "sim.log")
-    wait_until("endpoint simulator", port_file.exists, proc, c.root / "sim.log", timeout_s=300)
-    c.sim_url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+    def ready() -> None:
+        wait_until("endpoint simulator", port_file.exists, proc, c.root / "sim.log", timeout_s=300)
+        c.sim_url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+    return ready
 
 
 @pytest.fixture(scope="session")
@@ -193,11 +201,12 @@ def deployed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clust
     server = c.spawn(
         [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(c.port)], c.server_env, "server.log"
     )
-    try:
+    try:  # the three servers start side by side; then each is waited for
+        s3_ready, sim_ready = _start_s3(c), _start_documented_simulator(c)
         healthy = lambda: httpx.get(f"{c.url}/health", timeout=2).status_code == 200  # noqa: E731
         wait_until("prefect server", healthy, server, c.root / "server.log")
-        _start_s3(c)
-        _start_documented_simulator(c)
+        s3_ready()
+        sim_ready()
         demo = {
             "EAGLE3_DEMO_BLOCKS": "1",
             "EAGLE3_DEMO_ENDPOINT": c.sim_url,

@@ -199,19 +199,36 @@ def test_export_without_hidden_states(
     assert snapshot(tmp_path / "run") == before
 
 
+def test_run_stops_before_prefect_on_what_a_preflight_can_see(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config typo, a missing dataset, a dead endpoint, an unusable run_dir: `run` says so before it starts a
+    Prefect server (or imports Prefect's flow machinery), so in this process is where a user would see it."""
+    cases = _bad_inputs(tmp_path, sim, tokenizer_dir)
+    saved = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
+    try:
+        for name in ("config typo", "missing dataset", "dead endpoint", "run_dir under a file"):
+            config, code, needle = cases[name]
+            before = snapshot(config.parent)
+            assert_one_line_error(call(capsys, "run", str(config), "--no-progress"), code, needle)
+            assert snapshot(config.parent) == before, f"{name}: files changed"
+    finally:  # cmd_run sets Prefect's environment defaults for the flow it would have started
+        for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+            if key not in saved:
+                del os.environ[key]
+        os.environ.update(saved)
+
+
 def test_run_reports_prefect_failures_as_one_line(
     sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, prefect_api: str
 ) -> None:
-    """Through the Prefect flow: a 401 (once a misleading 'no running event loop' and 2-9 tracebacks) and an input
-    that is all quarantined; the pre-flight cases (typo, missing dataset, dead endpoint) need no flow at all."""
-    cases = _bad_inputs(tmp_path, sim, tokenizer_dir)
-    for name in ("config typo", "missing dataset", "dead endpoint", "run_dir under a file", "all rows quarantined"):
-        config, code, needle = cases[name]
-        before = snapshot(config.parent)
-        result = cli("run", str(config), "--no-progress", prefect_api=prefect_api)
-        assert_one_line_error(result, code, needle)
-        after = snapshot(config.parent)
-        assert all(after.get(path) == digest for path, digest in before.items()), f"{name}: files changed"
+    """Through the Prefect flow, as a real process: a 401 (once a misleading 'no running event loop' and 2-9
+    tracebacks) and an input whose rows are all quarantined."""
+    config, code, needle = _bad_inputs(tmp_path, sim, tokenizer_dir)["all rows quarantined"]
+    before = snapshot(config.parent)
+    assert_one_line_error(cli("run", str(config), "--no-progress", prefect_api=prefect_api), code, needle)
+    after = snapshot(config.parent)
+    assert all(after.get(path) == digest for path, digest in before.items()), "files changed"
     ok = write_config(tmp_path, sim, tokenizer_dir)
     refused = cli("run", str(ok), "--no-progress", prefect_api=prefect_api, key="sk-wrong")
     assert_one_line_error(refused, ExitCode.ENDPOINT, "401")
