@@ -25,7 +25,7 @@ def _duration(seconds: float | None) -> str:
 
 
 def estimate_text(est: RunEstimate, width: int = 160) -> str:
-    table = Table(title=f"estimate for {est.model} (nothing sent)")
+    table = Table(title="estimate (nothing sent)")
     table.add_column("metric")
     for d in est.datasets:
         table.add_column(d.dataset, justify="right")
@@ -49,6 +49,7 @@ def estimate_text(est: RunEstimate, width: int = 160) -> str:
     wall = {w: est.wall_s(w) for w in ("low", "expected", "high")}
     sources = sorted({d.completion_source for d in est.datasets if d.requests})
     lines = [
+        f"model: {est.model}; requests to send: {est.requests:,}",
         f"prices: ${p.prompt_usd_per_mtok:g} prompt / ${p.completion_usd_per_mtok:g} completion per Mtok ({p.source})",
         f"completion lengths: {'; '.join(sources) or 'nothing left to send'}",
         f"cost: low {_usd(cost['low'])}, expected {_usd(cost['expected'])}, high {_usd(cost['high'])}"
