@@ -26,13 +26,17 @@ from flows.retry_policy import retry_transient
 from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ExtractDeploymentError
-from tasks.common.schemas import STAGES
+from tasks.common.run_summary import run_summary_markdown
+from tasks.common.schemas import REPORTS_DIR, STAGES
 from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts, read_marker
+from tasks.estimate.display import estimate_text
+from tasks.estimate.estimate import check_budget, estimate_run
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
 from tasks.generate.health import probe_endpoint
 from tasks.prepare.datasets import MANIFEST, prepare_datasets
+from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part
@@ -70,7 +74,20 @@ def prepare_task(cfg: PipelineConfig) -> dict[str, Any]:
     result = prepare_datasets(cfg)
     if result.quarantined:
         get_run_logger().warning("%d malformed rows quarantined in %s", result.quarantined, result.quarantine_path)
+    require_prompts(result.to_dict(), {ds.name: str(ds.path) for ds in cfg.datasets})
     return result.to_dict()
+
+
+@task(name="estimate", **TASK_OPTIONS)
+def estimate_task(cfg: PipelineConfig) -> dict[str, Any]:
+    """Cost and wall time of what is left to send, printed before the first paid request; a run whose cheapest
+    outcome already crosses endpoint.max_cost_usd is refused here (EstimateOverBudgetError)."""
+    estimate = estimate_run(cfg, load_tokenizer(cfg.tokenizer))
+    text = estimate_text(estimate)
+    get_run_logger().info("estimate before sending anything:\n%s", text)
+    create_markdown_artifact(key="estimate", markdown=f"# Estimate (nothing sent)\n\n```\n{text}\n```")
+    check_budget(estimate)
+    return {**estimate.to_dict(), "text": text}
 
 
 @task(name="check-tokenizer", **TASK_OPTIONS)
@@ -223,7 +240,7 @@ def stage_cpu(
     try:
         out["validation_summary"] = validation_report_task(cfg)
     finally:
-        _push_files(store, cfg, "validation")
+        _push_files(store, cfg, REPORTS_DIR)
     return out
 
 
@@ -277,6 +294,11 @@ def run_pipeline(
     stats["prepare"] = prepare = stage_prepare(cfg, store)
     parts: list[int] = prepare["parts"]
     stats["completion_format"] = cfg.tokenizer.completion_format
+    stats["estimate"] = estimate_task(cfg)
+    if run is not None and run.dry_run:
+        stats["dry_run"] = True
+        stats["wall_s"] = round(time.monotonic() - started, 3)
+        return stats
     stats["generate"] = stage_generate(cfg, store, parts)
     if _budget_stopped(stats["generate"]):
         stats["stopped"] = "budget"
@@ -323,19 +345,9 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
 
 
 def _markdown_summary(stats: dict[str, Any]) -> str:
-    prep = stats["prepare"]
-    gen = stats["generate"]
-    lines = [
-        f"# eagle3-datagen run `{stats['run_dir']}`",
-        f"- wall time: {stats['wall_s']} s",
-        f"- prompts: {sum(d['kept'] for d in prep['datasets'].values())} kept, {prep['quarantined']} quarantined",
-        f"- generate: {json.dumps(gen.get('total', gen), default=str)}",
-        f"- tokens parts: {len(stats.get('reconstruct', []))}, validation parts: {len(stats.get('validate', []))}, "
-        f"extract parts: {len(stats.get('extract', []))}",
-    ]
-    if stats.get("stopped") == "budget":
-        lines.append("- **stopped at the cost cap** after generate; later stages did not run. Rerun to continue.")
-    return "\n".join(lines)
+    """Per-stage counts from the run directory's completion markers (what is really there, whichever worker or
+    deployment wrote it), the generate totals as a table, and the budget stop if any."""
+    return run_summary_markdown(stats)
 
 
 def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
@@ -396,4 +408,16 @@ def extract_flow(run: RunParameters) -> list[dict[str, Any]]:
     resolved = resolve_run(run)
     _pull(resolved.store, "tokens", "validation", "hidden_states")
     parts = [p for p in _parts(resolved.cfg, "tokens") if in_slice(p, run.part_slice)]
-    return run_extract(resolved.cfg, parts, resolved.store)
+    results = run_extract(resolved.cfg, parts, resolved.store)
+    done = _done(resolved.cfg, "tokens", parts)
+    rows = [{"part": p, **{k: r.get(k) for k in EXTRACT_COLUMNS}} for p, r in zip(done, results, strict=True)]
+    create_table_artifact(
+        key="extract-summary",
+        table=rows or [{"part": None, **dict.fromkeys(EXTRACT_COLUMNS)}],
+        description=f"Hidden-state parts written by this run in {resolved.cfg.run_dir}"
+        + (f" (slice {run.part_slice})" if run.part_slice else ""),
+    )
+    return results
+
+
+EXTRACT_COLUMNS = ("samples", "skipped_failed_validation", "tokens", "bytes", "shards", "padding_waste_frac")

@@ -71,7 +71,11 @@ def _builds(run_dir: Path) -> dict[str, tuple[str, int]]:
 
 def _not_failed(run_dir: Path) -> set[str]:
     table = pa.concat_tables([read_part(r, ["sample_id", "verdict"]) for r in done_parts(run_dir, "validation")])
-    return {s for s, v in zip(table["sample_id"].to_pylist(), table["verdict"].to_pylist(), strict=True) if v not in ("fail", "drop")}
+    return {
+        s
+        for s, v in zip(table["sample_id"].to_pylist(), table["verdict"].to_pylist(), strict=True)
+        if v not in ("fail", "drop")
+    }
 
 
 @pytest.mark.usefixtures("prefect_harness")

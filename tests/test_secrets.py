@@ -200,7 +200,7 @@ def test_a_refused_key_leaks_neither_from_the_cli_nor_from_the_exception(
 ) -> None:
     config = write_config(tmp_path, echoing.base_url, tokenizer_dir, api_key=WRONG_KEY)
     refused = cli_generate(config)
-    assert refused.returncode == 2 and "401" in refused.stderr, refused.stderr
+    assert refused.returncode == 4 and "401" in refused.stderr, refused.stderr
     assert leaks(refused.stdout + refused.stderr, "CLI output") == []
 
     caplog.set_level(logging.DEBUG)
@@ -213,7 +213,7 @@ def test_a_refused_key_leaks_neither_from_the_cli_nor_from_the_exception(
 def test_cli_config_error_does_not_echo_the_key(tmp_path: Path, tokenizer_dir: Path) -> None:
     config = write_config_without_model(tmp_path, tokenizer_dir)
     refused = cli_generate(config)
-    assert refused.returncode == 1 and "endpoint.model" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "endpoint.model" in refused.stderr, refused.stderr
     assert leaks(refused.stdout + refused.stderr, "CLI output") == []
 
 
@@ -228,7 +228,7 @@ def test_a_fatal_answer_quoting_the_key_is_redacted(
     assert exception_leaks(raised.value) + leaks(caplog.text, "log records") == []
 
     refused = cli_generate(config)
-    assert refused.returncode == 2 and "Bearer ***" in refused.stderr, refused.stderr
+    assert refused.returncode == 4 and "Bearer ***" in refused.stderr, refused.stderr
     assert leaks(refused.stdout + refused.stderr, "CLI output") + tree_leaks(tmp_path / "run") == []
 
 

@@ -58,6 +58,7 @@ class RunStore:
         return [ref.run_dir / "hidden_states" / s for s in shards]
 
     def remote_parts(self, stage: str) -> list[int]:
+        self.fs.invalidate_cache()  # object stores cache listings; another host may have pushed since
         pattern = self._remote(f"{stage}/_done/part-*.json")
         names = [Path(p).name.replace(".json", ".parquet") for p in self.fs.glob(pattern)]
         return sorted(int(m.group(1)) for n in names if (m := PART_RE.match(n)))
@@ -95,6 +96,7 @@ class RunStore:
         return pulled
 
     def pull_optional(self, rel: str) -> Path | None:
+        self.fs.invalidate_cache(self._remote(rel))
         return self.pull_file(rel) if self.fs.exists(self._remote(rel)) else None
 
     def describe(self) -> dict[str, Any]:

@@ -116,7 +116,7 @@ class EndpointConfig(StrictModel):
         default=600.0,
         gt=0,
         description="After this long without any successful answer the run stops, resumably (EndpointUnavailable"
-        "Error: Prefect retries the task, the CLI exits 1); nothing is marked failed for the outage.",
+        "Error: Prefect retries the task, the CLI exits 4); nothing is marked failed for the outage.",
     )
 
     @field_validator("base_url")

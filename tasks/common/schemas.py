@@ -13,6 +13,8 @@ import pyarrow as pa
 SCHEMA_VERSION: Final = 2
 
 STAGES: Final = ("prompts", "responses", "tokens", "validation", "hidden_states")
+REPORTS_DIR: Final = "reports"
+"""Reports and plots live here, not in a stage folder: a stage folder holds only its parts and markers."""
 
 MESSAGE = pa.struct([pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string())])
 

@@ -87,10 +87,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def shared_file_mode() -> int:
+    """0o666 less the process umask: what `open()` would give. `tempfile.mkstemp` always creates 0o600, which
+    would lock every other user (and group) out of a shared run directory."""
+    try:  # Linux: read it without changing it (os.umask would briefly change it for every thread)
+        with open("/proc/self/status") as fh:
+            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, shared_file_mode())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -123,6 +136,7 @@ def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[bytes, byte
     if metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, shared_file_mode())
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")

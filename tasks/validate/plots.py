@@ -24,6 +24,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from tasks.common.schemas import REPORTS_DIR
 from tasks.common.shards import atomic_write_bytes, done_parts, read_part
 
 MATCH_COLORS = {"exact": "#2e7d32", "bpe_artifact": "#f9a825", "real_difference": "#c62828", "no_reference": "#9e9e9e"}
@@ -238,8 +239,8 @@ class Plot:
 
 
 def render_plots(run_dir: Path, summary: list[dict[str, Any]], tolerance: float) -> list[Plot]:
-    """Write the report's PNGs under `<run_dir>/validation/plots/` and say what each shows."""
-    out = run_dir / "validation" / "plots"
+    """Write the report's PNGs under `<run_dir>/reports/plots/` and say what each shows."""
+    out = run_dir / REPORTS_DIR / "plots"
     out.mkdir(parents=True, exist_ok=True)
     data = collect_report_data(run_dir)
     return [

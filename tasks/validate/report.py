@@ -1,9 +1,10 @@
-"""The standalone validation report: written next to the validation parts so it survives without Prefect.
+"""The standalone validation report: written into the run directory so it survives without Prefect.
 
-`validation/summary.json` (machine-readable), `validation/report.md` and `validation/report.html` (one
+`reports/summary.json` (machine-readable), `reports/report.md` and `reports/report.html` (one
 self-contained file: plots embedded, so it can be mailed or opened from an object store), and the plots as
-PNGs under `validation/plots/`. The gate verdict is at the top: the report is written before the gates fail
-the flow, so a failed run always has the page that explains it.
+PNGs under `reports/plots/` (beside `validation/`, which holds only parts and markers). The gate verdict is at
+the top: the report is written before the gates fail the flow, so a failed run always has the page that
+explains it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks.common.schemas import REPORTS_DIR
 from tasks.common.shards import atomic_write_text, done_parts, read_part, read_provenance
 from tasks.validate.plots import Plot, render_plots
 
@@ -285,7 +287,7 @@ def write_validation_report(
     billing_tolerance_frac: float = 0.02,
 ) -> Path:
     """Write summary.json, the plots, report.md and report.html; returns the HTML report's path."""
-    out = run_dir / "validation"
+    out = run_dir / REPORTS_DIR
     violations = list(violations or [])
     payload = {"gates_crossed": violations, "datasets": summary}
     atomic_write_text(out / "summary.json", json.dumps(payload, indent=2, sort_keys=True, default=str))
