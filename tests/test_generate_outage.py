@@ -77,11 +77,20 @@ def test_a_short_outage_is_ridden_out_beyond_max_attempts(
     assert chunk_paths(tmp_path, 0) == []
 
 
-def test_without_an_outage_grace_refused_connections_use_up_attempts(
+def test_refused_connections_never_use_up_attempts_whatever_the_grace(
     tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
+    """The old rule charged attempts before outage_grace_s: a down endpoint failed every sample in seconds."""
     write_prompts(tmp_path, [question("refused", i) for i in range(SAMPLES)])
-    cfg = make_cfg(tmp_path, f"http://127.0.0.1:{free_port()}", tokenizer_dir, "chat", max_attempts=2)
-    summary = run(cfg, tokenizer).total()
-    assert summary["failures_by_reason"] == {"connection": SAMPLES}
-    assert {r["attempts"] for r in responses(tmp_path).values()} == {2}
+    cfg = make_cfg(
+        tmp_path,
+        f"http://127.0.0.1:{free_port()}",
+        tokenizer_dir,
+        "chat",
+        max_attempts=2,
+        outage_grace_s=30.0,
+        outage_abort_s=1.0,
+    )
+    with pytest.raises(EndpointUnavailableError):
+        run(cfg, tokenizer)
+    assert committed_chunks(tmp_path) == {}
