@@ -139,13 +139,14 @@ def generate_without_prefect(
     from tasks.common.shards import PartRef
     from tasks.generate.endpoints import CompletionMarkers
     from tasks.generate.engine import generate_parts
+    from tasks.generate.preflight import preflight
     from tasks.prepare.datasets import prepare_datasets
-    from tasks.reconstruct.completion_format import format_for
     from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
     parts = prepare_datasets(cfg).parts
     tokenizer = load_tokenizer(cfg.tokenizer)
-    markers = CompletionMarkers(*format_for(cfg, tokenizer).markers())
+    fmt, _ = preflight(cfg, tokenizer)  # what `run` checks before its first paid request
+    markers = CompletionMarkers(*fmt.markers())
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     return generate_parts(cfg, refs, markers, tokenizer, listeners=listeners), parts
 
@@ -202,8 +203,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tasks.generate.engine import budget_stop_message
     from tasks.generate.progress_display import show_progress
 
+    overrides = _parse_overrides(args.set or [])
+    if args.retry_failed:
+        overrides["endpoint.retry_failed"] = args.retry_failed
     try:
-        cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
+        cfg = load_config(Path(args.config), overrides)
     except (ConfigError, ValidationError) as exc:
         print(f"error: {_config_error(exc)}", file=sys.stderr)
         return EXIT_ERROR
@@ -258,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("config")
     gen.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (dotted key)")
     gen.add_argument("--no-progress", action="store_true", help="no live progress display")
+    gen.add_argument(
+        "--retry-failed",
+        choices=["transient", "all"],
+        help="which committed failed samples to send again (default endpoint.retry_failed: transient; "
+        "deterministic failures only when their settings changed)",
+    )
     gen.set_defaults(func=cmd_generate)
     export = sub.add_parser("export", help="write a run's hidden states in a trainer's offline layout")
     export.add_argument("run_dir")

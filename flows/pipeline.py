@@ -29,7 +29,7 @@ from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import budget_stop_message, generate_parts
-from tasks.generate.health import probe_endpoint
+from tasks.generate.preflight import wait_for_endpoint
 from tasks.prepare.datasets import MANIFEST, prepare_datasets
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
@@ -73,7 +73,7 @@ def check_tokenizer_task(cfg: PipelineConfig) -> str:
 @task(name="generate", task_run_name="generate-{n_parts}-parts", **TASK_OPTIONS)
 def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[str, Any]:
     """All parts in one task: one global in-flight window across shards, no barrier at part boundaries."""
-    probe_endpoint(cfg.endpoint)
+    wait_for_endpoint(cfg.endpoint)  # up to outage_abort_s, the window the generate stage itself honours
     tokenizer = load_tokenizer(cfg.tokenizer)
     reasoning_close, end_of_turn = _format(cfg).markers()
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]

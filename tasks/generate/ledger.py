@@ -120,10 +120,11 @@ class SpendLedger:
             out.add(attempt)
         return out
 
-    def totals_by_dataset(self) -> dict[str, SpendTotals]:
+    def totals_by_dataset(self, parts: set[int] | None = None) -> dict[str, SpendTotals]:
         out: dict[str, SpendTotals] = {}
         for attempt in self.attempts.values():
-            out.setdefault(attempt.dataset, SpendTotals()).add(attempt)
+            if parts is None or attempt.part in parts:
+                out.setdefault(attempt.dataset, SpendTotals()).add(attempt)
         return out
 
     def reconcilable(self) -> list[tuple[str, str]]:
