@@ -219,3 +219,126 @@ def test_ten_kill_9s_keep_every_paid_answer_and_count_every_cent(tmp_path: Path,
     assert sum(r["cost_usd"] for r in records) <= CAP_USD
     total = json.loads(final.stdout.strip().splitlines()[-1])
     assert total["run_dir_spent_usd"] == pytest.approx(ledger.totals().total_usd)
+
+
+# --- capped reruns and the rerun policy (in-process: the same engine, faster) ---------------------------------
+
+
+def _rerun_cfg(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, cap: float, max_tokens: int) -> Any:
+    from tasks.common.config import SamplingConfig
+    from tests.test_generate_failures import make_cfg
+
+    return make_cfg(
+        tmp_path,
+        sim.base_url,
+        tokenizer_dir,
+        "chat",
+        SamplingConfig(max_tokens=max_tokens),
+        max_cost_usd=cap,
+        max_in_flight=4,
+        min_in_flight=1,
+        price_prompt_usd_per_mtok=SIM.price_prompt_usd_per_mtok,
+        price_completion_usd_per_mtok=SIM.price_completion_usd_per_mtok,
+    )
+
+
+def test_four_capped_reruns_never_cross_the_cap_and_a_length_failure_is_bought_once(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Billed retries (finish_error) and billed deterministic failures (length) under four rising caps: after
+    every run the ledger equals the provider's bill and neither is above that run's cap; a rerun does not resend
+    a `length` failure unless max_tokens changed."""
+    from tasks.common.shards import PartRef
+    from tests.test_generate_failures import question, run, write_prompts
+
+    sim_cfg = SimConfig(
+        seed=5,
+        reasoning_words=(5, 60),
+        content_words=(5, 60),
+        failures=(FailureRule(kind="finish_error", rate=0.3, attempts=1),),
+    )
+    rows = write_prompts(tmp_path, [question("capped", i) for i in range(24)])
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        caps = [0.0008, 0.0016, 0.0024, 1.0]  # the whole job costs ~$0.003
+        stopped = []
+        for cap in caps:
+            summary = run(_rerun_cfg(tmp_path, sim, tokenizer_dir, cap, 64), None).total()  # type: ignore[arg-type]
+            stopped.append(summary["stopped"])
+            ledger = SpendLedger.load(tmp_path).totals()
+            provider = sim.billing()["total_usd"]
+            assert ledger.total_usd <= cap and provider <= cap, (cap, ledger.total_usd, provider)
+            assert ledger.unknown_attempts == 0
+            assert ledger.total_usd == pytest.approx(provider, abs=1e-12), "ledger and provider disagree"
+            assert summary["run_dir_spent_usd"] == pytest.approx(ledger.total_usd)
+        assert stopped[:3] == ["budget"] * 3 and stopped[3] is None, stopped
+        got = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "responses", 0)).to_pylist()}
+        assert len(got) == len(rows)
+        length = {sid for sid, r in got.items() if r["status"] == "failed"}
+        assert length and {got[s]["failure_reason"] for s in length} == {"length"}
+        assert {r["status"] for sid, r in got.items() if sid not in length} == {"done"}
+
+        by_key = sim.stats()["by_key"]
+        spent = sim.billing()["total_usd"]
+        same = run(_rerun_cfg(tmp_path, sim, tokenizer_dir, 1.0, 64), None).total()  # type: ignore[arg-type]
+        assert (same["requests_sent"], same["kept_failed"]) == (0, len(length))
+        assert sim.stats()["by_key"] == by_key and sim.billing()["total_usd"] == spent, "a length failure re-bought"
+
+        raised = run(_rerun_cfg(tmp_path, sim, tokenizer_dir, 1.0, 1024), None).total()  # type: ignore[arg-type]
+        assert raised["requests_sent"] == len(length) and raised["done"] == len(length)
+        ledger = SpendLedger.load(tmp_path).totals()
+        assert ledger.total_usd == pytest.approx(sim.billing()["total_usd"], abs=1e-12)
+
+
+def test_retries_are_served_before_fresh_samples_when_the_budget_is_short() -> None:
+    import asyncio
+
+    from tasks.generate.client import Budget
+
+    async def scenario() -> list[str]:
+        budget = Budget(cap_usd=1.0, spent_before_usd=0.0)
+        await budget.reserve(1.0)  # one request in flight holds the whole cap
+        order: list[str] = []
+
+        async def wait(name: str, retry: bool) -> None:
+            await budget.reserve(0.6, retry=retry)
+            order.append(name)
+            budget.settle(0.6, 0.5)
+
+        fresh = asyncio.create_task(wait("fresh", retry=False))
+        await asyncio.sleep(0)
+        again = asyncio.create_task(wait("retry", retry=True))
+        await asyncio.sleep(0)
+        budget.settle(1.0, 0.3)  # 0.7 left: room for one of the two, never both
+        await asyncio.sleep(0.01)
+        for task in (fresh, again):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(fresh, again, return_exceptions=True)
+        return order
+
+    assert asyncio.run(scenario()) == ["retry"]
+
+
+def test_two_concurrent_triggers_of_one_run_dir_send_each_sample_at_most_once(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 80, "twice")
+    sim_cfg = SimConfig(seed=3, latency_lognormal=(math.log(0.2), 0.2))
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        config = write_config(tmp_path, sim, tokenizer_dir, data, max_in_flight=8)
+        first = cli(config, tmp_path / "first.log")
+        second = cli(config, tmp_path / "second.log")
+        codes = (first.wait(timeout=300), second.wait(timeout=300))
+        print("exit codes of the two triggers:", codes)
+        by_key = sim.stats()["by_key"]
+    assert sorted(by_key.values()) and max(by_key.values()) == 1, "a sample was sent by both triggers"
+    assert len(by_key) == 80
+    logs = [(tmp_path / name).read_text() for name in ("first.log", "second.log")]
+    if codes != (0, 0):  # they overlapped: one stopped before sending anything (else one found all done)
+        assert sorted(codes) == [0, 1], codes
+        loser = logs[codes.index(1)]
+        assert "being written by another generate run" in loser and "nothing was sent" in loser
+        assert "Traceback" not in loser
+    rows = [row for ref in done_parts(tmp_path / "run", "responses") for row in read_part(ref).to_pylist()]
+    assert len(rows) == 80 and {r["status"] for r in rows} == {"done"}
