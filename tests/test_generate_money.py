@@ -138,7 +138,7 @@ def check_ledger_against_provider(run_dir: Path, sim: SimulatorServer) -> SpendL
     records = billed(sim)
     by_id = {r["id"]: r["cost_usd"] for r in records}
     assert len(by_id) == len(records), "the simulator billed one generation id twice"
-    settled = {a.generation_id: a.cost_usd for a in ledger.attempts.values() if a.known and a.generation_id}
+    settled = {a.generation_id: a.counted_usd for a in ledger.attempts.values() if a.known and a.generation_id}
     assert set(settled) <= set(by_id), "the ledger settled a generation the provider never billed"
     assert sum(settled.values()) == pytest.approx(sum(by_id[g] for g in settled), abs=0.005)
     for gen_id, cost in settled.items():
