@@ -342,3 +342,46 @@ def test_two_concurrent_triggers_of_one_run_dir_send_each_sample_at_most_once(
         assert "Traceback" not in loser
     rows = [row for ref in done_parts(tmp_path / "run", "responses") for row in read_part(ref).to_pylist()]
     assert len(rows) == 80 and {r["status"] for r in rows} == {"done"}
+
+
+def test_a_kill_9_of_a_real_prefect_run_keeps_paid_answers_and_counts_every_cent(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """`eagle3-datagen run` (Prefect flow, its own temporary API server) killed with its whole process group
+    mid-generate, then run again to completion: the same guarantees as the CLI kills."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 160, "prefect")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--no-progress", "--set", "extract.enabled=false"]
+    with SimulatorServer(tokenizer_dir, SIM) as sim:
+        config = write_config(tmp_path, sim, tokenizer_dir, data)
+        log = tmp_path / "run.log"
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                [*cmd, str(config)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            wait_for_billed(sim, proc, 40, log)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        time.sleep(0.3)
+        durable = durable_rows(run_dir)
+        by_key = Counter(sim.stats()["by_key"])
+        assert 0 < len(durable) < 160
+        final = subprocess.run([*cmd, str(config)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+        end = Counter(sim.stats()["by_key"])
+        ledger = check_ledger_against_provider(run_dir, sim)
+        assert sum(r["cost_usd"] for r in billed(sim)) <= CAP_USD
+    rows = [row for ref in done_parts(run_dir, "responses") for row in read_part(ref).to_pylist()]
+    assert len(rows) == 160 and len({r["sample_id"] for r in rows}) == 160
+    final_by_id = {row["sample_id"]: row for row in rows}
+    for sid, row in durable.items():
+        if row["status"] == "done":
+            key = row["generation_id"].split("-", 2)[2]
+            assert end[key] == by_key[key], f"durable answer of {sid} was requested again"
+            assert final_by_id[sid]["generation_id"] == row["generation_id"]
+    assert ledger.totals().total_usd <= CAP_USD
