@@ -385,3 +385,29 @@ def test_a_kill_9_of_a_real_prefect_run_keeps_paid_answers_and_counts_every_cent
             assert end[key] == by_key[key], f"durable answer of {sid} was requested again"
             assert final_by_id[sid]["generation_id"] == row["generation_id"]
     assert ledger.totals().total_usd <= CAP_USD
+
+
+def test_generate_checks_special_tokens_before_the_first_paid_request(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """`</think>` removed from the tokenizer: `generate` stops like `run` does, before sending anything."""
+    import shutil
+
+    broken = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, broken)
+    spec = json.loads((broken / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "</think>"]
+    (broken / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 8, "tokens")
+    with SimulatorServer(tokenizer_dir, SimConfig()) as sim:
+        config = write_config(tmp_path, sim, broken, data)
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        sent = sim.stats(with_keys=False)["total_requests"]
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "</think>" in done.stderr and "Traceback" not in done.stderr
+    assert sent == 0 and sim.billing()["total_usd"] == 0.0
