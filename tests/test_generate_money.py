@@ -411,3 +411,37 @@ def test_generate_checks_special_tokens_before_the_first_paid_request(tmp_path: 
     assert done.returncode != 0, done.stdout + done.stderr
     assert "</think>" in done.stderr and "Traceback" not in done.stderr
     assert sent == 0 and sim.billing()["total_usd"] == 0.0
+
+
+@pytest.mark.parametrize("reconcile", [False, True])
+def test_a_stream_cut_after_its_id_is_counted_at_worst_case_until_reconciled(
+    reconcile: bool, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A stream reset mid-way was billed, by an amount the client never saw: worst case in the ledger, unless
+    OpenRouter's generation record (GET /generation?id=) settles it."""
+    from tasks.common.config import SamplingConfig
+    from tests.test_generate_failures import make_cfg, question, run, write_prompts
+
+    sim_cfg = SimConfig(seed=4, failures=(FailureRule(kind="midstream_reset", rate=1.0, attempts=1),))
+    write_prompts(tmp_path, [question("cut", i) for i in range(4)])
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        cfg = make_cfg(
+            tmp_path,
+            sim.base_url,
+            tokenizer_dir,
+            "stream",
+            SamplingConfig(max_tokens=512),
+            reconcile_cost=reconcile,
+            price_prompt_usd_per_mtok=SIM.price_prompt_usd_per_mtok,
+            price_completion_usd_per_mtok=SIM.price_completion_usd_per_mtok,
+        )
+        summary = run(cfg, None).total()  # type: ignore[arg-type]
+        provider = sim.billing()["total_usd"]
+    assert summary["done"] == 4 and summary["retries_by_reason"]
+    totals = SpendLedger.load(tmp_path).totals()
+    if reconcile:
+        assert totals.unknown_attempts == 0
+        assert totals.total_usd == pytest.approx(provider, abs=1e-12)
+    else:
+        assert totals.unknown_attempts == 4
+        assert totals.total_usd > provider and totals.billed_usd < provider

@@ -100,7 +100,9 @@ class EndpointConfig(StrictModel):
         description="Hard cap on the run directory's total spend; in-flight requests reserve their worst case.",
     )
     reconcile_cost: bool = Field(
-        default=False, description="OpenRouter: fetch each generation's billed cost from /api/v1/generation?id=."
+        default=False,
+        description="OpenRouter: fetch each generation's billed cost from /api/v1/generation?id=; also settles, in "
+        "the spend ledger, attempts cut off after their generation id arrived (else counted at worst case).",
     )
     require_reasoning: bool = Field(
         default=False, description="An answer with empty reasoning is retried (reasoning models that must think)."

@@ -322,6 +322,7 @@ class EndpointClient:
         self.budget = budget or Budget(ep.max_cost_usd, 0.0)
         self.ledger = ledger
         self.successes = 0
+        self.unknown_with_id: list[tuple[str, str, float]] = []  # (uid, generation id, worst case): reconcilable
         self._probe: asyncio.Future[bool] | None = None
         self._probe_started = 0.0
         self._key = ep.resolved_api_key()
@@ -433,6 +434,8 @@ class EndpointClient:
     def _settled(self, sent: _Attempt, cost: float | None, generation_id: str | None, reason: str | None) -> None:
         if self.ledger is not None and sent.uid is not None:
             self.ledger.settled(sent.uid, cost, generation_id, reason)
+            if cost is None and generation_id:
+                self.unknown_with_id.append((sent.uid, generation_id, sent.worst_usd))
 
     async def _outage_check(self, url: str, exc: RetryableError, successes_before: int, sent_at: float) -> bool:
         """True when a transport failure should not use up the sample's attempts because the endpoint as a

@@ -230,7 +230,7 @@ def _load_part(prompts: PartRef, journaled: list[dict[str, Any]], rules: _RerunR
                 merge_row(rows, row)
     buffer: list[dict[str, Any]] = []
     for row in journaled:  # a killed run's answers: into the next chunk, so the journal can go
-        if row["sample_id"] in items:
+        if row["sample_id"] in items and not _same_outcome(rows.get(row["sample_id"]), row):
             merge_row(rows, row)
             buffer.append(row)
     next_chunk = max((chunk_index(p) for p in chunks), default=-1) + 1
@@ -256,6 +256,12 @@ def _load_part(prompts: PartRef, journaled: list[dict[str, Any]], rules: _RerunR
         outstanding=len(todo),
         buffer=buffer,
     )
+
+
+def _same_outcome(known: dict[str, Any] | None, row: dict[str, Any]) -> bool:
+    """A journal row already committed (a kill after the commit, before the journal was dropped): nothing new."""
+    keys = ("status", "failure_reason", "attempts", "generation_id")
+    return known is not None and all(known.get(k) == row.get(k) for k in keys)
 
 
 def _table(rows: list[dict[str, Any]]) -> pa.Table:
@@ -524,7 +530,7 @@ async def _generate_async(
 ) -> _Run:
     window = 2 * cfg.endpoint.max_in_flight
     async with EndpointClient(cfg, markers, tokenizer, budget=budget, ledger=ledger) as client:
-        if unknown and ledger is not None and cfg.endpoint.kind == "openai_chat":
+        if unknown and ledger is not None and cfg.endpoint.kind == "openai_chat" and cfg.endpoint.reconcile_cost:
             await _reconcile(client, ledger, unknown)
         run = _Run(cfg, states, client, journal, ledger)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
@@ -559,6 +565,8 @@ async def _generate_async(
                 if run.commit_due() or run.complete_parts:
                     await run.commit()
             await run.commit()
+            if client.unknown_with_id and ledger is not None and cfg.endpoint.reconcile_cost:
+                await _reconcile(client, ledger, client.unknown_with_id)
         except BaseException:
             for task in running:
                 task.cancel()
@@ -685,7 +693,12 @@ def _generate_locked(
                 journal.path.unlink(missing_ok=True)
         summary.peak_in_flight = run.client.window.peak_in_flight
         summary.window_shrinks = run.client.window.shrinks
-    after = SpendLedger.load(cfg.run_dir).totals()
+    ledger = SpendLedger.load(cfg.run_dir)
+    after = ledger.totals()
+    if pending:
+        by_part = ledger.totals_by_part(writer.token)
+        for state in pending:
+            state.summary.cost_usd = by_part[state.prompts.part].total_usd if state.prompts.part in by_part else 0.0
     summary.spent_usd = after.total_usd
     summary.run_cost_usd = after.total_usd - before.total_usd
     summary.spend = after.to_dict()

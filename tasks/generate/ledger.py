@@ -127,6 +127,14 @@ class SpendLedger:
                 out.setdefault(attempt.dataset, SpendTotals()).add(attempt)
         return out
 
+    def totals_by_part(self, token: str | None = None) -> dict[int, SpendTotals]:
+        """Per part; with `token`, only the attempts of the run that wrote that ledger segment."""
+        out: dict[int, SpendTotals] = {}
+        for uid, attempt in self.attempts.items():
+            if token is None or uid.startswith(f"{token}:"):
+                out.setdefault(attempt.part, SpendTotals()).add(attempt)
+        return out
+
     def reconcilable(self) -> list[tuple[str, str]]:
         """(uid, generation_id) of attempts billed an unknown amount whose generation id is known."""
         return [
