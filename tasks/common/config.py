@@ -119,7 +119,8 @@ class EndpointConfig(StrictModel):
         default=600.0,
         gt=0,
         description="After this long without any successful answer the run stops, resumably (EndpointUnavailable"
-        "Error: Prefect retries the task, the CLI exits 1); nothing is marked failed for the outage.",
+        "Error: the CLI exits 1; Prefect does not retry the task, the window is used up); nothing is marked "
+        "failed for the outage. The pre-flight endpoint probe waits the same window.",
     )
     retry_failed: Literal["transient", "all"] = Field(
         default="transient",
@@ -131,8 +132,8 @@ class EndpointConfig(StrictModel):
         default=0.2,
         gt=0,
         le=10,
-        description="Answers and spend records reach the disk (fsync) at least this often: a kill -9 loses at "
-        "most the answers received in the last window.",
+        description="Journaled answers and spend records are fsynced at least this often (what a machine crash can "
+        "lose); they reach the kernel every 20 ms, so a kill -9 loses only what was in flight or just received.",
     )
 
     @field_validator("base_url")
