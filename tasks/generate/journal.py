@@ -31,8 +31,11 @@ MAX_RECORD_BYTES = 256 * 1024**2
 WRITE_EVERY_S = 0.02
 
 
-def encode_frame(record: Any) -> bytes:
-    payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+def encode_frame(record: Any, compact: bool = True) -> bytes:
+    """`compact`: UTF-8 as is and no spaces (smaller, for rows); else json's cached default encoder (ASCII
+    escapes), the fastest call for the small records written on the event loop."""
+    text = json.dumps(record, separators=(",", ":"), ensure_ascii=False) if compact else json.dumps(record)
+    payload = text.encode()
     return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
@@ -86,7 +89,7 @@ class AppendLog:
 
     def write_now(self, record: Any) -> None:
         """Append synchronously (to the kernel; fsync follows on the writer's cadence)."""
-        frame = encode_frame(record)
+        frame = encode_frame(record, compact=False)
         with self._lock:
             os.write(self._fd, frame)
             self.bytes_written += len(frame)
