@@ -341,7 +341,7 @@ def test_connection_refused_is_an_outage_that_fails_no_sample(
     cfg = make_cfg(
         tmp_path, f"http://127.0.0.1:{closed_port()}", tokenizer_dir, mode, max_attempts=2, outage_abort_s=0.5
     )
-    with pytest.raises(EndpointUnavailableError, match="127.0.0.1"):
+    with pytest.raises(EndpointUnavailableError, match=r"127\.0\.0\.1"):
         run(cfg, tokenizer)
     assert committed_chunks(tmp_path) == {} and not PartRef(tmp_path, "responses", 0).is_done()
 
