@@ -445,3 +445,39 @@ def test_a_stream_cut_after_its_id_is_counted_at_worst_case_until_reconciled(
     else:
         assert totals.unknown_attempts == 4
         assert totals.total_usd > provider and totals.billed_usd < provider
+
+
+def test_a_torn_or_corrupt_tail_costs_only_that_record(tmp_path: Path) -> None:
+    """kill -9 mid-append leaves part of a frame: the reader keeps every whole record before it."""
+    from tasks.generate.journal import AppendLog, encode_frame, read_records
+
+    log = AppendLog(tmp_path / "j.log", group_commit_s=0.2)
+    for i in range(5):
+        log.write_now({"i": i, "text": "é" * i})
+    log.close()
+    whole = (tmp_path / "j.log").read_bytes()
+    assert [r["i"] for r in read_records(tmp_path / "j.log")] == [0, 1, 2, 3, 4]
+    last = len(encode_frame({"i": 4, "text": "é" * 4}, compact=False))
+    for cut in range(1, last):
+        (tmp_path / "j.log").write_bytes(whole[:-cut])
+        assert [r["i"] for r in read_records(tmp_path / "j.log")] == [0, 1, 2, 3], cut
+    corrupt = bytearray(whole)
+    corrupt[-2] ^= 0xFF
+    (tmp_path / "j.log").write_bytes(bytes(corrupt))
+    assert [r["i"] for r in read_records(tmp_path / "j.log")] == [0, 1, 2, 3]
+
+
+def test_an_attempt_never_settled_counts_at_its_worst_case(tmp_path: Path) -> None:
+    from tasks.generate.ledger import LedgerWriter
+
+    writer = LedgerWriter(tmp_path, group_commit_s=0.2)
+    paid = writer.sent("s1", "ds", 0, 0.01)
+    writer.settled(paid, 0.002, "gen-1", None)
+    writer.sent("s2", "ds", 0, 0.01)  # in flight at a kill: no settlement ever arrives
+    failed = writer.sent("s3", "ds", 1, 0.01)
+    writer.settled(failed, 0.0, None, "http_500")
+    writer.close()
+    totals = SpendLedger.load(tmp_path).totals()
+    assert (totals.billed_usd, totals.unknown_usd, totals.unknown_attempts) == (0.002, 0.01, 1)
+    assert totals.total_usd == pytest.approx(0.012)
+    assert SpendLedger.load(tmp_path).totals_by_part(writer.token)[1].total_usd == 0.0
