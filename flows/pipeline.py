@@ -29,6 +29,7 @@ from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import budget_stop_message, generate_parts
+from tasks.generate.ledger import LEDGER_DIR
 from tasks.generate.preflight import wait_for_endpoint
 from tasks.prepare.datasets import MANIFEST, prepare_datasets
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
@@ -163,7 +164,12 @@ def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]
 
 def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
     check_tokenizer_task(cfg)
-    stats = generate_task(cfg, parts, len(parts))
+    if store is not None:  # the spend ledger travels with the run directory: the cap holds on any worker
+        store.pull_missing(LEDGER_DIR, "ledger-*.log")
+    try:
+        stats = generate_task(cfg, parts, len(parts))
+    finally:
+        _push_files(store, cfg, LEDGER_DIR)
     _push(store, cfg, "responses", parts)
     return stats
 

@@ -481,3 +481,24 @@ def test_an_attempt_never_settled_counts_at_its_worst_case(tmp_path: Path) -> No
     assert (totals.billed_usd, totals.unknown_usd, totals.unknown_attempts) == (0.002, 0.01, 1)
     assert totals.total_usd == pytest.approx(0.012)
     assert SpendLedger.load(tmp_path).totals_by_part(writer.token)[1].total_usd == 0.0
+
+
+def test_the_spend_ledger_travels_between_hosts_through_the_artifact_store(tmp_path: Path) -> None:
+    """A rerun on another worker starts its budget from every host's spend, never from zero."""
+    from tasks.common.artifact_store import RunStore
+    from tasks.generate.ledger import LEDGER_DIR, LedgerWriter
+
+    remote = f"file://{tmp_path / 'bucket'}"
+    first = RunStore(remote, tmp_path / "host-a" / "run1")
+    second = RunStore(remote, tmp_path / "host-b" / "run1")
+    writer = LedgerWriter(first.local_run_dir, group_commit_s=0.2)
+    writer.settled(writer.sent("s1", "ds", 0, 0.5), 0.25, "gen-1", None)
+    writer.close()
+    for path in (first.local_run_dir / LEDGER_DIR).iterdir():
+        first.push_file(path)
+    local = LedgerWriter(second.local_run_dir, group_commit_s=0.2)  # host b's own earlier run
+    local.sent("s2", "ds", 0, 0.125)
+    local.close()
+    assert [p.name for p in second.pull_missing(LEDGER_DIR, "ledger-*.log")] == [writer.log.path.name]
+    assert second.pull_missing(LEDGER_DIR, "ledger-*.log") == []
+    assert SpendLedger.load(second.local_run_dir).totals().total_usd == pytest.approx(0.375)
