@@ -7,7 +7,10 @@ for an openai_chat config):
 - raw: one `aiohttp.ClientSession(TCPConnector(limit=C))`, an `asyncio.Semaphore(C)`, post + read +
   `json.loads`, nothing else. This is what CPython + aiohttp can do on this machine, so it is the ceiling;
 - project: `EndpointClient.generate(messages)` with `max_in_flight=C` (retry logic, classification, parsing
-  into a `GenerationResult`), which is what the generate stage runs per sample.
+  into a `GenerationResult`), which is what the generate stage runs per sample, with the durability the stage
+  adds: each attempt's "sent" record in the spend ledger before the request leaves, its settlement, and the
+  answer's row in the journal, fsynced every 0.2 s by the writer threads (`--no-journal` leaves them out).
+  The journal's own cost is reported as the writer threads' CPU seconds per 1,000 requests and bytes per answer.
 
 Why a ratio against raw aiohttp rather than against the ideal C / latency: on a small machine the simulator
 and the client compete for the CPUs long before C / latency is reached, so the ideal says little about the
@@ -71,8 +74,11 @@ from _sim_process import (
 
 from endpoint_sim.responder import REASONING_CLOSE
 from tasks.common.messages import Message
-from tasks.generate.client import EndpointClient
+from tasks.generate.client import AttemptTag, EndpointClient
 from tasks.generate.endpoints import CompletionMarkers, build_request
+from tasks.generate.engine import RESULT_FIELDS
+from tasks.generate.journal import AppendLog
+from tasks.generate.ledger import LedgerWriter
 
 SCRIPT = Path(__file__).resolve()
 KINDS = ("raw", "project")
@@ -117,14 +123,32 @@ async def raw_client(url: str, payloads: list[dict[str, Any]], concurrency: int,
 
 
 async def project_client(
-    base_url: str, model_dir: Path, pool: list[list[Message]], concurrency: int, requests: int
+    base_url: str, model_dir: Path, pool: list[list[Message]], concurrency: int, requests: int, journaled: bool
 ) -> dict[str, Any]:
     cfg = pipeline_config(model_dir.parent, base_url, model_dir, max_in_flight=concurrency, request_timeout_s=600.0)
-    async with EndpointClient(cfg, MARKERS, None) as client:
-        with GcTimer() as gc_time:
-            started, cpu = time.perf_counter(), self_cpu_s()
-            outcomes = await asyncio.gather(*(client.generate(pool[i % len(pool)]) for i in range(requests)))
-            wall, cpu = time.perf_counter() - started, self_cpu_s() - cpu
+    with tempfile.TemporaryDirectory(prefix="journal-", dir=model_dir.parent) as tmp:
+        ledger = LedgerWriter(Path(tmp), 0.2) if journaled else None
+        journal = AppendLog(Path(tmp) / "journal.log", 0.2) if journaled else None
+
+        async def one(i: int) -> Any:
+            sample_id = f"bench-{i}"
+            outcome = await client.generate(pool[i % len(pool)], 0, AttemptTag(sample_id, "bench", 0))
+            if journal is not None:  # the row the engine would journal
+                row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
+                if outcome.result is not None:
+                    row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
+                row.update(status="done" if outcome.reason is None else "failed", failure_reason=outcome.reason)
+                journal.submit({"p": 0, "r": row})
+            return outcome
+
+        async with EndpointClient(cfg, MARKERS, None, ledger=ledger) as client:
+            with GcTimer() as gc_time:
+                started, cpu = time.perf_counter(), self_cpu_s()
+                outcomes = await asyncio.gather(*(one(i) for i in range(requests)))
+                wall, cpu = time.perf_counter() - started, self_cpu_s() - cpu
+        logs = [log_ for log_ in (journal, ledger.log if ledger else None) if log_ is not None]
+        for log_ in logs:
+            log_.close()
     failed = [o for o in outcomes if o.result is None or o.reason is not None]
     if failed:
         log(f"project: {len(failed)} failed, first: {failed[0].reason}: {failed[0].error}")
@@ -135,6 +159,8 @@ async def project_client(
         "gc_collections": gc_time.collections,
         "failures": len(failed),
         "retries": sum(max(0, o.attempts - 1) for o in outcomes),
+        "journal_writer_cpu_s": sum(log_.cpu_s for log_ in logs),
+        "journal_bytes": sum(log_.bytes_written for log_ in logs),
     }
 
 
@@ -147,7 +173,7 @@ def child(args: argparse.Namespace) -> None:
         requests = [build_request(cfg, messages) for messages in pool]
         coro = raw_client(requests[0].url, [r.payload for r in requests], args.concurrency, args.requests)
     else:
-        coro = project_client(args.base_url, args.model_dir, pool, args.concurrency, args.requests)
+        coro = project_client(args.base_url, args.model_dir, pool, args.concurrency, args.requests, args.journal)
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
@@ -201,12 +227,17 @@ def measure(
         cmd.append("--profile-child")
     if args.gc_freeze:
         cmd.append("--gc-freeze")
+    if not args.journal:
+        cmd.append("--no-journal")
     sim_cpu = sim.cpu_s()
     timeout = 120.0 + 20 * args.latency_s * requests / concurrency
     result = run_child(SCRIPT, cmd, timeout)
     result["sim_cpu_s"] = sim.cpu_s() - sim_cpu
     result["cpu_s_per_1k"] = 1000 * result["cpu_s"] / requests
     result["gc_share_of_cpu"] = result["gc_s"] / result["cpu_s"] if result["cpu_s"] else 0.0
+    if "journal_bytes" in result:
+        result["journal_cpu_s_per_1k"] = 1000 * result["journal_writer_cpu_s"] / requests
+        result["journal_bytes_per_answer"] = result["journal_bytes"] / requests
     log(
         f"  C={concurrency:>5} {kind:<7}: {result['req_per_s']:8.1f} req/s  wall {result['wall_s']:6.2f} s  "
         f"client CPU {result['cpu_s_per_1k']:.3f} s/1k req "
@@ -228,6 +259,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "failures": sum(r["failures"] for r in runs),
         "retries": sum(r["retries"] for r in runs),
         "rounds_req_per_s": [round(r["req_per_s"], 1) for r in runs],
+        **(
+            {
+                "journal_cpu_s_per_1k": statistics.fmean(r["journal_cpu_s_per_1k"] for r in runs),
+                "journal_bytes_per_answer": statistics.fmean(r["journal_bytes_per_answer"] for r in runs),
+            }
+            if "journal_bytes_per_answer" in runs[0]
+            else {}
+        ),
     }
 
 
@@ -247,6 +286,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="do not gc.freeze() the import heap in either client (generate_parts freezes it during a run)",
     )
     parser.add_argument("--gc-freeze", dest="gc_freeze", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-journal", dest="journal", action="store_false", help="project client without ledger and journal"
+    )
     parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -295,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
                 log(
                     f"C={concurrency}: project {project['req_per_s']:.1f} req/s vs raw {raw['req_per_s']:.1f} "
                     f"(ratio {ratio:.3f}); ideal {concurrency / args.latency_s:.0f} req/s"
+                    + (
+                        f"; journal writers {project['journal_cpu_s_per_1k']:.4f} CPU-s/1k req, "
+                        f"{project['journal_bytes_per_answer']:.0f} B/answer"
+                        if "journal_bytes_per_answer" in project
+                        else ""
+                    )
                 )
             if args.profile:
                 concurrency = args.concurrency[0]
@@ -314,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             "failures": failures,
             "loadavg_1m_at_start": load_at_start,
             "gc_freeze": args.gc_freeze,
+            "journal": args.journal,
         }
     )
     return 1 if failures else 0

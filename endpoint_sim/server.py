@@ -82,6 +82,9 @@ class SimState:
         self.rate_limited = 0
         self.generations = GenerationStore(self.config.generation_store_size)
         self.handlers: set[asyncio.Task[Any]] = set()
+        # The provider's own billing ledger: (generation id, prompt key, cost, time.monotonic() when billed),
+        # one per billed completion, never reset: what a test compares a run directory's spend ledger with.
+        self.billing: list[tuple[str, str, float, float]] = []
 
     def probe_unavailable(self) -> bool:
         self.probes += 1
@@ -292,10 +295,12 @@ def _record(
     state: SimState, admitted: Admitted, meta: ChatMeta, prompt_tokens: int, billed: ChatAnswer, streamed: bool
 ) -> None:
     now = time.perf_counter()
+    cost = cost_usd(state.config, prompt_tokens, billed.completion_tokens)
+    state.billing.append((meta.id, admitted.key, cost, time.monotonic()))
     state.generations.add(
         Generation(
             id=meta.id,
-            cost_usd=cost_usd(state.config, prompt_tokens, billed.completion_tokens),
+            cost_usd=cost,
             provider=meta.provider,
             model=meta.model,
             prompt_tokens=prompt_tokens,
@@ -587,6 +592,16 @@ async def sim_config(request: web.Request) -> web.Response:
     return web.json_response(state.config.model_dump(mode="json"))
 
 
+def billing_ledger(state: SimState) -> dict[str, Any]:
+    records = [{"id": i, "key": k, "cost_usd": c, "billed_at": t} for i, k, c, t in state.billing]
+    return {"records": records, "total_usd": sum(c for _, _, c, _ in state.billing)}
+
+
+async def sim_ledger(request: web.Request) -> web.Response:
+    """GET: every completion this server billed (id, prompt key, cost, monotonic time), and their total."""
+    return web.json_response(billing_ledger(request.app[STATE]))
+
+
 async def sim_reset(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.reset_stats()
@@ -609,6 +624,7 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_get("/_sim/config", sim_config)
     app.router.add_post("/_sim/config", sim_config)
     app.router.add_post("/_sim/reset", sim_reset)
+    app.router.add_get("/_sim/ledger", sim_ledger)
     return app
 
 
@@ -732,6 +748,14 @@ class SimulatorServer:
         state = self._state
         snapshot: dict[str, Any] = self._on_loop(lambda: state.stats(with_keys))
         return snapshot
+
+    def billing(self) -> dict[str, Any]:
+        """The simulator's billing ledger (as GET /_sim/ledger)."""
+        if self._state is None:
+            raise RuntimeError("simulator was never started")
+        state = self._state
+        ledger: dict[str, Any] = self._on_loop(lambda: billing_ledger(state))
+        return ledger
 
     def reset_stats(self) -> None:
         """Also resets attempt numbers: injected failures start over for every key."""

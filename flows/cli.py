@@ -123,9 +123,9 @@ def _preflight(cfg: PipelineConfig, probe: bool) -> None:
     check_inputs(cfg)
     check_run_dir_writable(cfg.run_dir)
     if probe:
-        from tasks.generate.health import probe_endpoint
+        from tasks.generate.preflight import wait_for_endpoint
 
-        probe_endpoint(cfg.endpoint)
+        wait_for_endpoint(cfg.endpoint)  # an endpoint that is down is waited for up to endpoint.outage_abort_s
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -245,16 +245,17 @@ def generate_without_prefect(
     from tasks.common.shards import PartRef
     from tasks.generate.endpoints import CompletionMarkers
     from tasks.generate.engine import generate_parts
+    from tasks.generate.preflight import preflight
     from tasks.prepare.datasets import prepare_datasets
     from tasks.prepare.empty_input import require_prompts
-    from tasks.reconstruct.completion_format import format_for
     from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
     prepared = prepare_datasets(cfg)
     require_prompts(prepared.to_dict(), {ds.name: str(ds.path) for ds in cfg.datasets})
     parts = prepared.parts
     tokenizer = load_tokenizer(cfg.tokenizer)
-    markers = CompletionMarkers(*format_for(cfg, tokenizer).markers())
+    fmt, _ = preflight(cfg, tokenizer)  # what `run` checks before its first paid request
+    markers = CompletionMarkers(*fmt.markers())
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     return generate_parts(cfg, refs, markers, tokenizer, listeners=listeners), parts
 
@@ -309,9 +310,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tasks.generate.engine import budget_stop_message
     from tasks.generate.progress_display import show_progress
 
-    cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
+    overrides = _parse_overrides(args.set or [])
+    if args.retry_failed:
+        overrides["endpoint.retry_failed"] = args.retry_failed
+    cfg = load_config(Path(args.config), overrides)
     _SECRETS.append(_redactor(cfg))
-    _preflight(cfg, probe=True)
+    _preflight(cfg, probe=False)  # the endpoint is waited for inside, within endpoint.outage_abort_s
     with show_progress(enabled=not args.no_progress):
         summary, parts = generate_without_prefect(cfg)
     rows = dataset_rows(cfg.run_dir, parts)
@@ -460,6 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("config", help=CONFIG_HELP)
     gen.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     gen.add_argument("--no-progress", action="store_true", help="no live progress display")
+    gen.add_argument(
+        "--retry-failed",
+        choices=["transient", "all"],
+        help="which committed failed samples to send again (default endpoint.retry_failed: transient; "
+        "deterministic failures only when their settings changed)",
+    )
     gen.set_defaults(func=cmd_generate)
     export = sub.add_parser("export", help="write a run's hidden states in a trainer's offline layout")
     export.add_argument("run_dir", help="a run directory with finished hidden_states parts")

@@ -34,7 +34,8 @@ from tasks.estimate.estimate import check_budget, estimate_run
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
-from tasks.generate.health import probe_endpoint
+from tasks.generate.ledger import LEDGER_DIR
+from tasks.generate.preflight import wait_for_endpoint
 from tasks.prepare.datasets import MANIFEST, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
@@ -103,7 +104,7 @@ def check_tokenizer_task(cfg: PipelineConfig) -> str:
 @task(name="generate", task_run_name="generate-{n_parts}-parts", **TASK_OPTIONS)
 def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[str, Any]:
     """All parts in one task: one global in-flight window across shards, no barrier at part boundaries."""
-    probe_endpoint(cfg.endpoint)
+    wait_for_endpoint(cfg.endpoint)  # up to outage_abort_s, the window the generate stage itself honours
     tokenizer = load_tokenizer(cfg.tokenizer)
     reasoning_close, end_of_turn = _format(cfg).markers()
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
@@ -200,7 +201,12 @@ def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]
         get_run_logger().info("generate: all %d responses parts complete and current; nothing to send", len(parts))
         return GenerateSummary().to_dict()
     check_tokenizer_task(cfg)
-    stats = generate_task(cfg, parts, len(parts))
+    if store is not None:  # the spend ledger travels with the run directory: the cap holds on any worker
+        store.pull_missing(LEDGER_DIR, "ledger-*.log")
+    try:
+        stats = generate_task(cfg, parts, len(parts))
+    finally:
+        _push_files(store, cfg, LEDGER_DIR)
     _push(store, cfg, "responses", parts)
     return stats
 

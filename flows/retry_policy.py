@@ -11,13 +11,15 @@ from typing import Any
 import aiohttp
 import httpx
 
-from tasks.common.errors import DatagenError
+from tasks.common.errors import DatagenError, EndpointUnavailableError
 
 TRANSIENT = (ConnectionError, TimeoutError, aiohttp.ClientError, httpx.TransportError)
 
 
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, DatagenError):
+    """An endpoint outage is retried by the task only while it is inside `outage_abort_s`: the generate stage
+    and the probe already wait that long, so an outage error raised by them has used the window up."""
+    if isinstance(exc, DatagenError | EndpointUnavailableError):
         return False
     if isinstance(exc, TRANSIENT):
         return True

@@ -37,9 +37,9 @@ def test_prefect_yaml_parses_with_prefects_model_and_parameters_match_the_flows(
         RunParameters.model_validate(deployment.parameters["run"])
         pools[deployment.name] = (deployment.work_pool.name, deployment.concurrency_limit)
     assert pools == {
-        "pipeline": ("eagle3-cpu", None),
+        "pipeline": ("eagle3-cpu", 1),
         "extract-gpu": ("eagle3-gpu", 1),
-        "nightly-rerun": ("eagle3-cpu", None),
+        "nightly-rerun": ("eagle3-cpu", 1),
     }
     nightly = next(d for d in spec.deployments if d.name == "nightly-rerun")
     assert nightly.schedules and nightly.schedules[0].model_dump(exclude_none=True)["cron"] == "0 2 * * *"

@@ -196,9 +196,10 @@ def test_transient_failures_are_retried_until_done(
     assert sum(summary.parts[0].retries_by_reason.values()) == summary.parts[0].requests_sent - 15
 
 
-def test_400_fails_the_sample_without_retry_and_rerun_retries_only_failures(
+def test_400_fails_the_sample_without_retry_and_rerun_retries_it_only_when_asked(
     tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path
 ) -> None:
+    """context_length is deterministic: a plain rerun keeps the failure (no re-buy), `retry_failed=all` resends."""
     sim.update_config(failures=(FailureRule(kind="context_length", status=400, rate=0.4, attempts=None),))
     rows = {p: write_prompts(tmp_path, p, 6, "rerun") for p in range(2)}
     cfg = make_cfg(tmp_path, sim, tokenizer_dir)
@@ -216,6 +217,11 @@ def test_400_fails_the_sample_without_retry_and_rerun_retries_only_failures(
                 failed_keys.add(key_of(local, row))
 
     sim.update_config(failures=())
+    kept = generate_parts(cfg, refs(tmp_path, 2), MARKERS).to_dict()["total"]
+    assert (kept["requests_sent"], kept["kept_failed"]) == (0, len(failed_keys))
+    assert sim.stats()["by_key"] == stats, "a deterministic failure was re-sent by a plain rerun"
+
+    cfg = make_cfg(tmp_path, sim, tokenizer_dir, retry_failed="all")
     second = generate_parts(cfg, refs(tmp_path, 2), MARKERS).to_dict()["total"]
     assert second["requests_sent"] == len(failed_keys)
     assert (second["done"], second["failed"], second["skipped_already_done"]) == (len(failed_keys), 0, first["done"])

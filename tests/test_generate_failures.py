@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from endpoint_sim.responder import REASONING_CLOSE, FailureRule, Responder, SimConfig, scheduled_failure
 from endpoint_sim.server import SimulatorServer
 from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
-from tasks.common.errors import FatalEndpointError
+from tasks.common.errors import EndpointUnavailableError, FatalEndpointError
 from tasks.common.messages import prompt_messages, response_sample_id, sample_id
 from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, read_part, write_part
@@ -332,17 +332,18 @@ def test_timeouts_are_retried_and_exhaust_max_attempts(
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_connection_refused_fails_samples_with_reason_connection(
+def test_connection_refused_is_an_outage_that_fails_no_sample(
     mode: str, tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    rows = write_prompts(tmp_path, [question(f"refused-{mode}", i) for i in range(3)])
-    cfg = make_cfg(tmp_path, f"http://127.0.0.1:{closed_port()}", tokenizer_dir, mode, max_attempts=2)
-    total = run(cfg, tokenizer).total()
-    assert total["failures_by_reason"] == {"connection": 3} and total["retries_by_reason"] == {"connection": 3}
-    for row in rows:
-        out = responses(tmp_path)[row["sample_id"]]
-        assert (out["status"], out["failure_reason"], out["attempts"]) == ("failed", "connection", 2)
-        assert "127.0.0.1" in out["error"] and out["cost_usd"] is None
+    """Nothing listens: the endpoint as a whole is down, so refused attempts use up nothing and the run stops
+    resumably after outage_abort_s, with no failed row."""
+    write_prompts(tmp_path, [question(f"refused-{mode}", i) for i in range(3)])
+    cfg = make_cfg(
+        tmp_path, f"http://127.0.0.1:{closed_port()}", tokenizer_dir, mode, max_attempts=2, outage_abort_s=0.5
+    )
+    with pytest.raises(EndpointUnavailableError, match=r"127\.0\.0\.1"):
+        run(cfg, tokenizer)
+    assert committed_chunks(tmp_path) == {} and not PartRef(tmp_path, "responses", 0).is_done()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -439,6 +440,9 @@ def test_context_length_fails_once_and_a_rerun_sends_only_failures(
         assert "maximum context length" in out["error"]
 
     sim.update_config(failures=())
+    kept = run(cfg, tokenizer).total()
+    assert (kept["requests_sent"], kept["kept_failed"]) == (0, 3), "a deterministic failure was bought again"
+    cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, mode, retry_failed="all")
     second = run(cfg, tokenizer).total()
     assert (second["requests_sent"], second["done"], second["skipped_already_done"]) == (3, 3, 3)
     after = sim.stats()["by_key"]

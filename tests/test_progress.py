@@ -18,6 +18,7 @@ from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, T
 from tasks.common.schemas import PROMPTS, RESPONSES
 from tasks.common.shards import PartRef, stage_metadata, write_parquet_atomic, write_part
 from tasks.generate.dataset_summary import dataset_rows
+from tasks.generate.ledger import LedgerWriter
 from tasks.generate.progress import ProgressSnapshot, emit, format_counts, status_fields, status_line
 from tasks.generate.progress_display import ProgressDisplay, render, show_progress
 
@@ -212,6 +213,21 @@ def run_dir(tmp_path: Path) -> Path:
         ],
     )
     (tmp_path / "responses" / "_chunks" / "part-00001" / ".chunk-000002.parquet.1234.tmp").write_bytes(b"torn")
+    # The spend ledger is where money is read from: every attempt, replaced rows' and unknown outcomes' too.
+    ledger = LedgerWriter(tmp_path, group_commit_s=0.2)
+    for sid, dataset, part, cost in [
+        ("a0", "alpha", 0, 0.01),
+        ("a1", "alpha", 0, 0.02),
+        ("a2", "alpha", 0, 0.0),
+        ("a2", "alpha", 0, None),  # outcome never seen: counts at its worst case, 0.004
+        ("b0", "beta", 1, None),  # the timeout of the row that was replaced: worst case 0.004
+        ("b0", "beta", 1, 0.25),
+        ("b1", "beta", 1, 0.5),
+        ("b2", "beta", 1, 0.125),
+    ]:
+        uid = ledger.sent(sid, dataset, part, 0.004)
+        ledger.settled(uid, cost, None, None)
+    ledger.close()
     return tmp_path
 
 
@@ -224,10 +240,12 @@ def test_dataset_rows_merge_finished_parts_and_chunks(run_dir: Path) -> None:
         "failed": 1,
         "pending": 0,
         "failures": "http_500 1",
+        "failure_class": "transient 1",
         "prompt_tokens": 30,
         "completion_tokens": 300,
         "reasoning_tokens": 120,
-        "cost_usd": pytest.approx(0.03),
+        "cost_usd": pytest.approx(0.034),
+        "unknown_usd": pytest.approx(0.004),
         "billed_cost_usd": pytest.approx(0.011),
         "providers": "A 100%",
         "quantizations": "fp8 100%",
@@ -241,10 +259,12 @@ def test_dataset_rows_merge_finished_parts_and_chunks(run_dir: Path) -> None:
         "failed": 1,
         "pending": 2,
         "failures": "length 1",
+        "failure_class": "deterministic 1",
         "prompt_tokens": 15,
         "completion_tokens": 174,
         "reasoning_tokens": 0,
-        "cost_usd": pytest.approx(0.875),
+        "cost_usd": pytest.approx(0.879),
+        "unknown_usd": pytest.approx(0.004),
         "billed_cost_usd": None,
         "providers": "B 67%, A 33%",
         "quantizations": "bf16 100%",
@@ -261,10 +281,12 @@ def test_dataset_rows_of_a_part_not_started_and_of_no_parts(tmp_path: Path) -> N
             "failed": 0,
             "pending": 2,
             "failures": "-",
+            "failure_class": "-",
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "reasoning_tokens": 0,
             "cost_usd": 0.0,
+            "unknown_usd": 0.0,
             "billed_cost_usd": None,
             "providers": "-",
             "quantizations": "-",

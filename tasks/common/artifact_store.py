@@ -95,6 +95,16 @@ class RunStore:
             pulled.append(part)
         return pulled
 
+    def pull_missing(self, folder: str, pattern: str) -> list[Path]:
+        """Fetch the files of `folder` matching `pattern` that this host does not have (append-only logs, such as
+        the spend ledger's segments: a local copy is never replaced)."""
+        pulled = []
+        for remote in sorted(self.fs.glob(self._remote(f"{folder}/{pattern}"))):
+            rel = f"{folder}/{Path(remote).name}"
+            if not (self.local_run_dir / rel).exists():
+                pulled.append(self.pull_file(rel))
+        return pulled
+
     def pull_optional(self, rel: str) -> Path | None:
         self.fs.invalidate_cache(self._remote(rel))
         return self.pull_file(rel) if self.fs.exists(self._remote(rel)) else None

@@ -100,7 +100,9 @@ class EndpointConfig(StrictModel):
         description="Hard cap on the run directory's total spend; in-flight requests reserve their worst case.",
     )
     reconcile_cost: bool = Field(
-        default=False, description="OpenRouter: fetch each generation's billed cost from /api/v1/generation?id=."
+        default=False,
+        description="OpenRouter: fetch each generation's billed cost from /api/v1/generation?id=; also settles, in "
+        "the spend ledger, attempts cut off after their generation id arrived (else counted at worst case).",
     )
     require_reasoning: bool = Field(
         default=False, description="An answer with empty reasoning is retried (reasoning models that must think)."
@@ -109,14 +111,29 @@ class EndpointConfig(StrictModel):
     outage_grace_s: float = Field(
         default=30.0,
         ge=0,
-        description="Transport failures (refused, reset, timeout, 502-504) after this long without any successful "
-        "answer do not use up a sample's attempts: the endpoint is down, not the sample.",
+        description="Deprecated, accepted for old configs and not used: a transport failure (refused, reset, "
+        "timeout, 502-504) now never uses up a sample's attempt unless another request succeeded after it was "
+        "sent, whatever the timings; outage_abort_s alone bounds an outage.",
     )
     outage_abort_s: float = Field(
         default=600.0,
         gt=0,
         description="After this long without any successful answer the run stops, resumably (EndpointUnavailable"
-        "Error: Prefect retries the task, the CLI exits 4); nothing is marked failed for the outage.",
+        "Error: the CLI exits 4; Prefect does not retry the task, the window is used up); nothing is marked "
+        "failed for the outage. The pre-flight endpoint probe waits the same window.",
+    )
+    retry_failed: Literal["transient", "all"] = Field(
+        default="transient",
+        description="Which committed failed samples a rerun sends again: 'transient' (and budget/outage stops), "
+        "plus deterministic failures (length, context length, content filter, 4xx) only when the settings that "
+        "caused them changed; 'all' resends every failed sample (CLI: --retry-failed all).",
+    )
+    journal_group_commit_s: float = Field(
+        default=0.2,
+        gt=0,
+        le=10,
+        description="Journaled answers and spend records are fsynced at least this often (what a machine crash can "
+        "lose); they reach the kernel every 20 ms, so a kill -9 loses only what was in flight or just received.",
     )
 
     @field_validator("base_url")
@@ -255,8 +272,6 @@ class PipelineConfig(StrictModel):
             )
         if ep.stream and ep.kind != "openai_chat":
             raise ValueError("endpoint.stream applies to openai_chat endpoints only")
-        if ep.outage_abort_s < ep.outage_grace_s:
-            raise ValueError("endpoint.outage_abort_s must be >= endpoint.outage_grace_s")
         if ep.reconcile_cost and ep.kind != "openai_chat":
             raise ValueError("endpoint.reconcile_cost reads OpenRouter's /generation records: openai_chat only")
         return self

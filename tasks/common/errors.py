@@ -58,6 +58,7 @@ class ExtractDeploymentError(DatagenError):
 class EndpointUnavailableError(ConnectionError):
     """The endpoint does not answer at all (down, starting, overloaded gateway).
 
-    Deliberately not a DatagenError: it is transient, so Prefect retries the task instead of failing the run,
-    and no sample is marked failed for an outage of the whole endpoint.
+    Deliberately not a DatagenError: it is an outage, not a defect, and no sample is marked failed for it. The
+    generate stage raises it only after waiting `outage_abort_s`, so Prefect does not retry it
+    (`flows.retry_policy`); a rerun resumes.
     """

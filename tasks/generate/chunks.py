@@ -4,6 +4,11 @@ and the run-directory summary; kept free of heavy imports so a report never load
 Layout: <run_dir>/responses/_chunks/part-NNNNN/chunk-NNNNNN.parquet, written atomically in sequence. Chunks are
 replayed in write order and later rows win, except that a "done" row is never replaced: once a sample has
 been paid for and committed it is final.
+
+<run_dir>/responses/_journal/journal-<token>.log holds every row of a run within its group-commit window
+(`tasks.generate.journal` framing, records {"p": part, "r": row}); it exists only after a run was killed
+(a run compacts the journals it finds into chunks, and deletes its own once everything is in chunks or parts).
+Journal rows replay after the chunks: they are at least as new.
 """
 
 from __future__ import annotations
@@ -15,9 +20,29 @@ import pyarrow.parquet as pq
 
 from tasks.common.schemas import RESPONSES
 from tasks.common.shards import check_schema, part_name
+from tasks.generate.journal import read_records
 
 STAGE = "responses"
 CHUNKS_DIR = "_chunks"
+JOURNAL_DIR = "_journal"
+
+
+def journal_dir(run_dir: Path) -> Path:
+    return run_dir / STAGE / JOURNAL_DIR
+
+
+def journal_paths(run_dir: Path) -> list[Path]:
+    folder = journal_dir(run_dir)
+    return sorted(folder.glob("journal-*.log")) if folder.is_dir() else []
+
+
+def journal_rows(run_dir: Path, paths: list[Path] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Rows of the journals (all, or `paths`) by part, in write order; a torn tail record is skipped."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for path in journal_paths(run_dir) if paths is None else paths:
+        for rec in read_records(path):
+            out.setdefault(int(rec["p"]), []).append(rec["r"])
+    return out
 
 
 def chunk_dir(run_dir: Path, part: int) -> Path:

@@ -42,6 +42,8 @@ from tasks.generate.endpoints import (
     generation_lookup_url,
     parse_response,
 )
+from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
+from tasks.generate.ledger import LedgerWriter
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 RUN_FATAL_STATUS = frozenset({401, 403, 404})
@@ -59,14 +61,20 @@ LOOKUP_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 class RetryableError(Exception):
     def __init__(
-        self, reason: str, message: str, retry_after_s: float | None = None, billed: float | None = 0.0
+        self,
+        reason: str,
+        message: str,
+        retry_after_s: float | None = None,
+        billed: float | None = 0.0,
+        generation_id: str | None = None,
     ) -> None:
         """`billed`: what this failed attempt cost, 0.0 when nothing was billed, None when unknown (the
-        budget then charges the attempt's worst case)."""
+        budget then charges the attempt's worst case; with a `generation_id` the ledger can reconcile it)."""
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.billed = billed
+        self.generation_id = generation_id
 
 
 class SampleFatalError(Exception):
@@ -77,6 +85,24 @@ class SampleFatalError(Exception):
 
 class BudgetExhausted(Exception):
     """No request may start: its worst-case cost would cross `max_cost_usd`."""
+
+
+@dataclass(frozen=True)
+class AttemptTag:
+    """Which sample an attempt belongs to, for its spend ledger records."""
+
+    sample_id: str
+    dataset: str
+    part: int
+
+
+@dataclass
+class _Attempt:
+    """One attempt's ledger identity: `uid` is set once its "sent" record is written, right before the POST."""
+
+    tag: AttemptTag | None
+    worst_usd: float
+    uid: str | None = None
 
 
 @dataclass
@@ -110,7 +136,7 @@ def parse_retry_after(value: str | None) -> float | None:
 
 def backoff_delay(attempt: int, base_s: float, max_s: float, rng: random.Random) -> float:
     """Exponential backoff with full jitter: requests that failed together do not all retry together."""
-    return rng.uniform(0.0, min(max_s, base_s * 2 ** (attempt - 1)))
+    return rng.uniform(0.0, min(max_s, base_s * 2.0 ** min(attempt - 1, 60)))
 
 
 def ensure_open_files(needed: int) -> None:
@@ -214,6 +240,7 @@ class Budget:
         self.reserved_usd = 0.0
         self.stopped = False
         self._waiters: deque[tuple[asyncio.Future[None], float]] = deque()
+        self._retry_waiters: deque[tuple[asyncio.Future[None], float]] = deque()
 
     def _fits(self, amount: float) -> bool:
         return self.cap_usd is None or self.spent_usd + self.reserved_usd + amount <= self.cap_usd
@@ -224,16 +251,18 @@ class Budget:
             f"max_cost_usd ${self.cap_usd:.4f}"
         )
 
-    async def reserve(self, amount: float) -> None:
+    async def reserve(self, amount: float, retry: bool = False) -> None:
+        """`retry`: the attempt of a sample already admitted; retries are served before fresh samples, so a
+        short budget finishes what it started instead of leaving first attempts stranded."""
         if self.cap_usd is None:
             return
         if self.stopped:
             raise self._exhausted(amount)
-        if not self._waiters and self._fits(amount):
+        if not self._retry_waiters and (retry or not self._waiters) and self._fits(amount):
             self.reserved_usd += amount
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((fut, amount))
+        (self._retry_waiters if retry else self._waiters).append((fut, amount))
         self._admit_waiters()
         try:
             await fut
@@ -243,20 +272,22 @@ class Budget:
             raise
 
     def _admit_waiters(self) -> None:
-        while self._waiters:
-            fut, amount = self._waiters[0]
+        while self._retry_waiters or self._waiters:
+            queue = self._retry_waiters if self._retry_waiters else self._waiters
+            fut, amount = queue[0]
             if fut.done():
-                self._waiters.popleft()
+                queue.popleft()
             elif self._fits(amount):
-                self._waiters.popleft()
+                queue.popleft()
                 self.reserved_usd += amount
                 fut.set_result(None)
             elif self.reserved_usd <= 0.0:
                 self.stopped = True
-                while self._waiters:
-                    waiter, need = self._waiters.popleft()
-                    if not waiter.done():
-                        waiter.set_exception(self._exhausted(need))
+                for waiters in (self._retry_waiters, self._waiters):
+                    while waiters:
+                        waiter, need = waiters.popleft()
+                        if not waiter.done():
+                            waiter.set_exception(self._exhausted(need))
             else:
                 return
 
@@ -279,6 +310,7 @@ class EndpointClient:
         tokenizer: PreTrainedTokenizerBase | None = None,
         rng: random.Random | None = None,
         budget: Budget | None = None,
+        ledger: LedgerWriter | None = None,
     ) -> None:
         ep = cfg.endpoint
         self.cfg = cfg
@@ -288,6 +320,11 @@ class EndpointClient:
         self.requests_sent = 0
         self.window = AdaptiveWindow(ep.max_in_flight, ep.min_in_flight)
         self.budget = budget or Budget(ep.max_cost_usd, 0.0)
+        self.ledger = ledger
+        self.successes = 0
+        self.unknown_with_id: list[tuple[str, str, float]] = []  # (uid, generation id, worst case): reconcilable
+        self._probe: asyncio.Future[bool] | None = None
+        self._probe_started = 0.0
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
         self._fatal: FatalEndpointError | None = None
@@ -314,6 +351,9 @@ class EndpointClient:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._probe is not None and not self._probe.done():
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -334,31 +374,41 @@ class EndpointClient:
             + self.cfg.sampling.max_tokens * ep.price_completion_usd_per_mtok
         ) / 1e6
 
-    async def generate(self, messages: list[Message] | list[dict[str, Any]], sample_index: int = 0) -> SampleOutcome:
-        """Retries until success, a sample-fatal answer, `max_attempts`, or the budget; run-fatal answers raise."""
+    async def generate(
+        self, messages: list[Message] | list[dict[str, Any]], sample_index: int = 0, tag: AttemptTag | None = None
+    ) -> SampleOutcome:
+        """Retries until success, a sample-fatal answer, `max_attempts`, or the budget; run-fatal answers raise.
+        Every attempt that leaves the process is in the spend ledger (when there is one) before it is sent."""
         ep = self.cfg.endpoint
         request = build_request(self.cfg, messages, self.tokenizer, sample_index)
-        worst = self.worst_case_usd(request, messages) if self.budget.cap_usd is not None else 0.0
+        metered = self.budget.cap_usd is not None or self.ledger is not None
+        worst = self.worst_case_usd(request, messages) if metered else 0.0
         attempt = charged = 0
         cost = 0.0
         retries: list[str] = []
         while True:
             try:
-                await self.budget.reserve(worst)
+                await self.budget.reserve(worst, retry=attempt > 0)
             except BudgetExhausted as exc:
                 return SampleOutcome(None, "budget", str(exc), attempt, None, retries, cost, budget_stopped=True)
             attempt += 1
             started = time.perf_counter()
+            sent = _Attempt(tag, worst)
+            successes_before, sent_at = self.successes, time.monotonic()
             try:
-                result = await self._send(request)
+                result = await self._send(request, sent)
             except SampleFatalError as exc:
                 self.budget.settle(worst, 0.0)
+                self._settled(sent, 0.0, None, exc.reason)
                 return SampleOutcome(None, exc.reason, str(exc), attempt, None, retries, cost)
             except RetryableError as exc:
                 billed = worst if exc.billed is None else exc.billed
                 self.budget.settle(worst, billed)
-                cost += billed
-                outage = exc.reason in OUTAGE_REASONS and self._outage_check(request.url, exc)
+                self._settled(sent, exc.billed, exc.generation_id, exc.reason)
+                cost += exc.billed or 0.0  # the row's known cost; the ledger counts an unknown at worst case
+                outage = exc.reason in OUTAGE_REASONS and await self._outage_check(
+                    request.url, exc, successes_before, sent_at
+                )
                 charged += not outage
                 if charged >= ep.max_attempts:
                     message = f"gave up after {attempt} attempts: {exc}"
@@ -370,37 +420,81 @@ class EndpointClient:
                 await asyncio.sleep(delay)
                 continue
             except BaseException:
-                self.budget.settle(worst, 0.0)
+                # Cancelled or run-fatal: once sent, what it cost is unknown, so it counts at its worst case.
+                self.budget.settle(worst, worst if sent.uid is not None else 0.0)
+                self._settled(sent, None, None, "cancelled")
                 raise
             self.budget.settle(worst, result.cost_usd or 0.0)
+            self._settled(sent, result.cost_usd or 0.0, result.generation_id, None)
             cost += result.cost_usd or 0.0
             latency = time.perf_counter() - started
             # /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of
             # 404 retries per sample.
             if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
-                result.billed_cost_usd = await self._lookup_cost(result.generation_id)
+                result.billed_cost_usd = await self.lookup_cost(result.generation_id)
             return SampleOutcome(result, None, None, attempt, latency, retries, cost)
 
-    def _outage_check(self, url: str, exc: RetryableError) -> bool:
-        """True when a transport failure should not use up the sample's attempts, because nothing has answered
-        for `outage_grace_s`; raises `EndpointUnavailableError` once that lasts `outage_abort_s`, so an outage
-        stops the run (resumably) instead of turning every sample into a failed row."""
-        ep = self.cfg.endpoint
+    def _settled(self, sent: _Attempt, cost: float | None, generation_id: str | None, reason: str | None) -> None:
+        if self.ledger is not None and sent.uid is not None:
+            self.ledger.settled(sent.uid, cost, generation_id, reason)
+            if cost is None and generation_id:
+                self.unknown_with_id.append((sent.uid, generation_id, sent.worst_usd))
+
+    async def _outage_check(self, url: str, exc: RetryableError, successes_before: int, sent_at: float) -> bool:
+        """True when a transport failure should not use up the sample's attempts because the endpoint as a
+        whole is failing: no request succeeded since this one was sent, and a liveness probe sent after it
+        fails too. Whatever the timings, an outage uses up no attempt; a sample that fails while the endpoint
+        answers is charged. Raises `EndpointUnavailableError` once nothing has answered for `outage_abort_s`,
+        so an outage stops the run (resumably) instead of turning every sample into a failed row."""
+        if self.successes != successes_before or not await self._endpoint_down(sent_at):
+            return False
         silent_s = time.monotonic() - self._last_success
-        if silent_s >= ep.outage_abort_s:
+        if silent_s >= self.cfg.endpoint.outage_abort_s:
             raise EndpointUnavailableError(
                 f"no successful answer from {url} for {silent_s:.0f} s (last error: {exc}); the endpoint is down. "
                 "Committed results are kept and nothing was marked failed for the outage; rerun to resume."
             )
-        return silent_s >= ep.outage_grace_s
+        return True
 
-    async def _send(self, request: EndpointRequest) -> GenerationResult:
+    async def _endpoint_down(self, sent_at: float) -> bool:
+        """The verdict of a probe started after `sent_at`; concurrent failures share one probe."""
+        while True:
+            probe = self._probe
+            if probe is not None and self._probe_started >= sent_at:
+                return await asyncio.shield(probe)
+            if probe is not None and not probe.done():
+                await asyncio.wait([probe])
+                continue
+            self._probe_started = time.monotonic()
+            self._probe = asyncio.ensure_future(self._probe_once())
+
+    async def _probe_once(self) -> bool:
+        """True when the endpoint's liveness URL does not answer (transport error) or answers 502-504."""
+        if self._session is None:
+            return True
+        ep = self.cfg.endpoint
+        timeout = aiohttp.ClientTimeout(total=min(10.0, ep.connect_timeout_s, ep.request_timeout_s))
+        try:
+            async with self._session.get(probe_url(ep), timeout=timeout) as resp:
+                await resp.read()
+                return resp.status in UNAVAILABLE_STATUS
+        except (TimeoutError, aiohttp.ClientError):
+            return True
+
+    async def _send(self, request: EndpointRequest, sent: _Attempt | None = None) -> GenerationResult:
         if self._session is None:
             raise RuntimeError("EndpointClient used outside 'async with'")
         seq = await self.window.acquire()
         if self._fatal is not None:
             self.window.release()
             raise FatalEndpointError(str(self._fatal))
+        if self.ledger is not None and sent is not None and sent.tag is not None:
+            try:
+                tag = sent.tag
+                sent.uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, sent.worst_usd)
+            except BaseException:
+                self.window.release()
+                raise
         self.requests_sent += 1
         try:
             async with self._session.post(request.url, json=request.payload) as resp:
@@ -415,9 +509,19 @@ class EndpointClient:
                     raw = await resp.read()
                     body = None
         except TimeoutError as exc:
-            raise RetryableError("timeout", f"request timed out ({type(exc).__name__})", billed=None) from exc
+            raise RetryableError(
+                "timeout",
+                f"request timed out ({type(exc).__name__})",
+                billed=None,
+                generation_id=getattr(exc, "generation_id", None),
+            ) from exc
         except aiohttp.ClientError as exc:
-            raise RetryableError("connection", self.redact(f"{type(exc).__name__}: {exc}"), billed=None) from exc
+            raise RetryableError(
+                "connection",
+                self.redact(f"{type(exc).__name__}: {exc}"),
+                billed=None,
+                generation_id=getattr(exc, "generation_id", None),
+            ) from exc
         finally:
             self.window.release()
         if status != 200:
@@ -434,6 +538,7 @@ class EndpointClient:
             raise RetryableError("malformed_response", self.redact(str(exc)), billed=None) from exc
         self._check_answer(result)
         self.window.on_success()
+        self.successes += 1
         self._last_success = time.monotonic()
         return result
 
@@ -459,13 +564,24 @@ class EndpointClient:
                 if stream.done:
                     break
         except MalformedResponseError as exc:
-            raise RetryableError("truncated_stream", self.redact(str(exc)), billed=None) from exc
+            raise RetryableError(
+                "truncated_stream", self.redact(str(exc)), billed=None, generation_id=stream.generation_id()
+            ) from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # Cut mid-stream: billed, but by how much only the generation record can tell.
+            setattr(exc, "generation_id", stream.generation_id())  # noqa: B010
+            raise
         if stream.error is not None:
             error = self.redact(json.dumps(stream.error, ensure_ascii=False))[:ERROR_SNIPPET_CHARS]
-            raise RetryableError("stream_error", f"error chunk mid-stream: {error}", billed=None)
+            raise RetryableError(
+                "stream_error", f"error chunk mid-stream: {error}", billed=None, generation_id=stream.generation_id()
+            )
         if stream.finish_reason is None:
             raise RetryableError(
-                "truncated_stream", "event stream ended without a finish_reason (connection cut)", billed=None
+                "truncated_stream",
+                "event stream ended without a finish_reason (connection cut)",
+                billed=None,
+                generation_id=stream.generation_id(),
             )
         return stream.body()
 
@@ -508,7 +624,7 @@ class EndpointClient:
             raise SampleFatalError("context_length", f"HTTP {status}, prompt too long (not retried): {snippet}")
         raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}")
 
-    async def _lookup_cost(self, generation_id: str) -> float | None:
+    async def lookup_cost(self, generation_id: str) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
         retried a few times. None when it never appears: reconciliation is best-effort, never a failure."""
         if self._session is None:

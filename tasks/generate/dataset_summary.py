@@ -1,8 +1,10 @@
 """Per-dataset overview of a run directory's `responses`: counts, failure reasons, tokens, spend, providers.
 
 It reads what is on disk, not what one run did, so it is right after a crash, a budget stop or several
-resumed runs: finished parts, plus the committed chunks of parts still in progress (merged as the engine
-merges them on resume). Samples of a prompts part with no row yet count as pending.
+resumed runs: finished parts, plus the committed chunks and journals of parts still in progress (merged as the
+engine merges them on resume). Samples of a prompts part with no row yet count as pending. Money comes from
+the spend ledger alone: `cost_usd` is every attempt billed for the dataset (failed ones and replaced rows
+included) plus unknown outcomes at their worst case (`unknown_usd`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.common.failures import failure_class
 from tasks.common.shards import PartRef, read_part
-from tasks.generate.chunks import STAGE, chunk_paths, merge_row, read_chunk
+from tasks.generate.chunks import STAGE, chunk_paths, journal_rows, merge_row, read_chunk
+from tasks.generate.ledger import SpendLedger, SpendTotals
 from tasks.generate.progress import format_counts
 
 COLUMNS = [
@@ -37,10 +41,10 @@ class _Totals:
     done: int = 0
     failed: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
+    classes: Counter[str] = field(default_factory=Counter)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
-    cost_usd: float = 0.0
     billed_cost_usd: float | None = None
     providers: Counter[str] = field(default_factory=Counter)
     quantizations: Counter[str] = field(default_factory=Counter)
@@ -51,10 +55,10 @@ class _Totals:
         else:
             self.failed += 1
             self.reasons[row["failure_reason"] or "unknown"] += 1
+            self.classes[failure_class(row["failure_reason"])] += 1
         self.prompt_tokens += row["prompt_tokens"] or 0
         self.completion_tokens += row["completion_tokens"] or 0
         self.reasoning_tokens += row["reasoning_tokens"] or 0
-        self.cost_usd += row["cost_usd"] or 0.0
         if row["billed_cost_usd"] is not None:
             self.billed_cost_usd = (self.billed_cost_usd or 0.0) + row["billed_cost_usd"]
         if row["provider"]:
@@ -62,7 +66,7 @@ class _Totals:
         if row["quantization"]:
             self.quantizations[row["quantization"]] += 1
 
-    def row(self, dataset: str) -> dict[str, Any]:
+    def row(self, dataset: str, spend: SpendTotals) -> dict[str, Any]:
         return {
             "dataset": dataset,
             "samples": self.samples,
@@ -70,10 +74,12 @@ class _Totals:
             "failed": self.failed,
             "pending": self.samples - self.done - self.failed,
             "failures": format_counts(self.reasons),
+            "failure_class": format_counts(self.classes),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "reasoning_tokens": self.reasoning_tokens,
-            "cost_usd": round(self.cost_usd, 6),
+            "cost_usd": round(spend.total_usd, 6),
+            "unknown_usd": round(spend.unknown_usd, 6),
             "billed_cost_usd": None if self.billed_cost_usd is None else round(self.billed_cost_usd, 6),
             "providers": format_mix(self.providers),
             "quantizations": format_mix(self.quantizations),
@@ -90,15 +96,19 @@ def format_mix(counts: Counter[str]) -> str:
     )
 
 
-def _chunk_rows(run_dir: Path, part: int) -> dict[str, dict[str, Any]]:
+def _chunk_rows(run_dir: Path, part: int, journaled: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for path in chunk_paths(run_dir, part):
         for row in read_chunk(path, COLUMNS):
             merge_row(rows, row)
+    for row in journaled:
+        merge_row(rows, {name: row.get(name) for name in COLUMNS})
     return rows
 
 
-def _part_rows(run_dir: Path, part: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def _part_rows(
+    run_dir: Path, part: int, journaled: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """(response rows, pending sample_id -> dataset) of one part, finished or not.
 
     Chunk rows of samples no longer in the prompts part are ignored, as the engine ignores them. A part being
@@ -109,7 +119,7 @@ def _part_rows(run_dir: Path, part: int) -> tuple[list[dict[str, Any]], dict[str
         if ref.is_done():
             return read_part(ref, columns=COLUMNS).to_pylist(), {}
         try:
-            rows = _chunk_rows(run_dir, part)
+            rows = _chunk_rows(run_dir, part, journaled)
         except FileNotFoundError:
             continue
         prompts = ref.with_stage("prompts")
@@ -124,12 +134,14 @@ def _part_rows(run_dir: Path, part: int) -> tuple[list[dict[str, Any]], dict[str
 def dataset_rows(run_dir: Path, parts: list[int]) -> list[dict[str, Any]]:
     """One row per dataset (sorted by name) over the given parts."""
     totals: dict[str, _Totals] = {}
+    journaled = journal_rows(run_dir)
     for part in parts:
-        rows, pending = _part_rows(run_dir, part)
+        rows, pending = _part_rows(run_dir, part, journaled.get(part, []))
         for row in rows:
             t = totals.setdefault(row["dataset"], _Totals())
             t.samples += 1
             t.add(row)
         for dataset in pending.values():
             totals.setdefault(dataset, _Totals()).samples += 1
-    return [totals[name].row(name) for name in sorted(totals)]
+    spend = SpendLedger.load(run_dir).totals_by_dataset(set(parts))
+    return [totals[name].row(name, spend.get(name, SpendTotals())) for name in sorted(totals)]

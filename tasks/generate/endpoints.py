@@ -294,6 +294,11 @@ class StreamAssembler:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
 
+    def generation_id(self) -> str | None:
+        """The id from the chunks seen so far: what a cut stream's billing can be looked up by."""
+        gen_id = self.meta.get("id")
+        return gen_id if isinstance(gen_id, str) else None
+
     def body(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
         if self.reasoning:

@@ -4,9 +4,15 @@ Why one window for all parts: a barrier at each part boundary would drain the pi
 while the slowest sample of a part finishes; with thousands in flight that idles most of the capacity. So
 samples of all parts flow through one bounded window and a part is written the moment its last sample ends.
 
-Why chunks: a run of a million samples must not lose hours of paid generations to a crash. Finished rows are
-committed every `commit_every_samples` results or `commit_every_s` seconds as small atomic Parquet chunks;
-on restart, chunks and finished parts are merged by sample_id and "done" samples are never sent again.
+Why chunks and a journal: a paid answer is training data, so a crash must lose none that reached the process.
+Every row is appended to the run's journal and fsynced within `journal_group_commit_s` (off the event loop);
+finished rows are also committed every `commit_every_samples` results or `commit_every_s` seconds as small
+atomic Parquet chunks. On restart, finished parts, chunks and journals are merged by sample_id, "done"
+samples are never sent again, and deterministic failures are not re-bought (`rerun_policy`).
+
+Money: every attempt is in the spend ledger (`ledger`) before it is sent; the budget of each run starts from
+the ledger's total, so `max_cost_usd` holds over the run directory's life, across kills and reruns. One run
+at a time writes a run directory (`run_lock`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig
+from tasks.common.failures import failure_class
 from tasks.common.messages import prompt_messages
 from tasks.common.schemas import RESPONSES
 from tasks.common.shards import (
@@ -37,10 +44,24 @@ from tasks.common.shards import (
     write_parquet_atomic,
 )
 from tasks.common.shards import write_part as write_stage_part
-from tasks.generate.chunks import STAGE, chunk_dir, chunk_index, chunk_paths, merge_row, read_chunk
-from tasks.generate.client import Budget, EndpointClient, SampleOutcome
+from tasks.generate.chunks import (
+    STAGE,
+    chunk_dir,
+    chunk_index,
+    chunk_paths,
+    journal_dir,
+    journal_paths,
+    journal_rows,
+    merge_row,
+    read_chunk,
+)
+from tasks.generate.client import AttemptTag, Budget, EndpointClient, SampleOutcome
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
+from tasks.generate.journal import AppendLog
+from tasks.generate.ledger import LedgerWriter, SpendLedger
 from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
+from tasks.generate.rerun_policy import resend, settings_fingerprint
+from tasks.generate.run_lock import run_dir_lock
 from tasks.reconstruct.multiturn import ConversationTurn, template_messages
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
@@ -65,15 +86,18 @@ RESULT_FIELDS = (
 
 @dataclass
 class PartSummary:
-    """Counts for one part in this run: done + failed + skipped_already_done = samples."""
+    """Counts for one part in this run: done + failed + skipped_already_done + kept_failed = samples.
+    `kept_failed`: committed deterministic failures this run did not re-send (`rerun_policy`)."""
 
     part: int
     samples: int = 0
     done: int = 0
     failed: int = 0
     skipped_already_done: int = 0
+    kept_failed: int = 0
     requests_sent: int = 0
     failures_by_reason: dict[str, int] = field(default_factory=dict)
+    failures_by_class: dict[str, int] = field(default_factory=dict)
     retries_by_reason: dict[str, int] = field(default_factory=dict)
     cost_usd: float = 0.0
     prompt_tokens: int = 0
@@ -86,34 +110,44 @@ class PartSummary:
 @dataclass
 class GenerateSummary:
     """`stopped` is "budget" when the cost cap ended the run early: unsent samples have no row yet, their parts
-    stay unfinished (chunks only), and a rerun with a higher cap continues exactly there."""
+    stay unfinished (chunks only), and a rerun with a higher cap continues exactly there.
+
+    Money comes from the spend ledger only: `spent_usd` is the run directory's total over its life (billed, plus
+    unknown outcomes at their worst case), `run_cost_usd` this run's share, `spend` the ledger's breakdown."""
 
     parts: list[PartSummary] = field(default_factory=list)
     stopped: str | None = None
     spent_usd: float = 0.0
+    run_cost_usd: float = 0.0
+    spend: dict[str, Any] = field(default_factory=dict)
     peak_in_flight: int = 0
     window_shrinks: int = 0
 
     def total(self) -> dict[str, Any]:
         reasons: Counter[str] = Counter()
         retries: Counter[str] = Counter()
+        classes: Counter[str] = Counter()
         for p in self.parts:
             reasons.update(p.failures_by_reason)
             retries.update(p.retries_by_reason)
+            classes.update(p.failures_by_class)
         return {
             "parts": len(self.parts),
             "samples": sum(p.samples for p in self.parts),
             "done": sum(p.done for p in self.parts),
             "failed": sum(p.failed for p in self.parts),
             "skipped_already_done": sum(p.skipped_already_done for p in self.parts),
+            "kept_failed": sum(p.kept_failed for p in self.parts),
             "requests_sent": sum(p.requests_sent for p in self.parts),
             "failures_by_reason": dict(reasons),
+            "failure_class": dict(classes),
             "retries_by_reason": dict(retries),
-            "cost_usd": sum(p.cost_usd for p in self.parts),
+            "cost_usd": self.run_cost_usd,
             "prompt_tokens": sum(p.prompt_tokens for p in self.parts),
             "completion_tokens": sum(p.completion_tokens for p in self.parts),
             "stopped": self.stopped,
             "run_dir_spent_usd": self.spent_usd,
+            "spend": self.spend,
             "peak_in_flight": self.peak_in_flight,
             "window_shrinks": self.window_shrinks,
         }
@@ -163,7 +197,16 @@ def _empty_row(sample_id: str, dataset: str) -> dict[str, Any]:
     return row
 
 
-def _load_part(prompts: PartRef) -> _PartState:
+@dataclass(frozen=True)
+class _RerunRules:
+    fingerprint: str
+    failed_with: dict[str, tuple[str, str]]
+    retry_failed: str
+    max_tokens: int
+
+
+def _load_part(prompts: PartRef, journaled: list[dict[str, Any]], rules: _RerunRules) -> _PartState:
+    """The part's state from its finished part, chunks and journal rows; `todo` is what this run sends."""
     out = prompts.with_stage(STAGE)
     table = read_part(prompts, columns=["sample_id", "dataset", "messages", "sample_index"])
     items: dict[str, _WorkItem] = {}
@@ -185,9 +228,21 @@ def _load_part(prompts: PartRef) -> _PartState:
         for row in read_chunk(path):
             if row["sample_id"] in items:
                 merge_row(rows, row)
+    buffer: list[dict[str, Any]] = []
+    for row in journaled:  # a killed run's answers: into the next chunk, so the journal can go
+        if row["sample_id"] in items and not _same_outcome(rows.get(row["sample_id"]), row):
+            merge_row(rows, row)
+            buffer.append(row)
     next_chunk = max((chunk_index(p) for p in chunks), default=-1) + 1
-    todo = [item for sid, item in items.items() if rows.get(sid, {}).get("status") != "done"]
-    summary = PartSummary(part=prompts.part, samples=len(items), skipped_already_done=len(items) - len(todo))
+    todo = [
+        item
+        for sid, item in items.items()
+        if resend(rows.get(sid), rules.fingerprint, rules.failed_with.get(sid), rules.retry_failed, rules.max_tokens)
+    ]
+    done = sum(1 for sid in items if rows.get(sid, {}).get("status") == "done")
+    summary = PartSummary(
+        part=prompts.part, samples=len(items), skipped_already_done=done, kept_failed=len(items) - len(todo) - done
+    )
     return _PartState(
         prompts=prompts,
         out=out,
@@ -199,7 +254,14 @@ def _load_part(prompts: PartRef) -> _PartState:
         has_chunks=bool(chunks),
         was_done=was_done,
         outstanding=len(todo),
+        buffer=buffer,
     )
+
+
+def _same_outcome(known: dict[str, Any] | None, row: dict[str, Any]) -> bool:
+    """A journal row already committed (a kill after the commit, before the journal was dropped): nothing new."""
+    keys = ("status", "failure_reason", "attempts", "generation_id")
+    return known is not None and all(known.get(k) == row.get(k) for k in keys)
 
 
 def _table(rows: list[dict[str, Any]]) -> pa.Table:
@@ -231,10 +293,20 @@ def _finalize(state: _PartState, provenance: dict[str, Any]) -> None:
 class _Run:
     """State of one generate run across all its parts (event-loop confined)."""
 
-    def __init__(self, cfg: PipelineConfig, states: list[_PartState], client: EndpointClient) -> None:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        states: list[_PartState],
+        client: EndpointClient,
+        journal: AppendLog | None = None,
+        ledger: LedgerWriter | None = None,
+    ) -> None:
         self.cfg = cfg
         self.states = states
         self.client = client
+        self.journal = journal
+        self.ledger = ledger
+        self.fingerprint = settings_fingerprint(cfg)
         self.provenance = cfg.provenance()
         self.uncommitted = 0
         self.complete_parts = 0
@@ -252,14 +324,15 @@ class _Run:
 
     async def process(self, state: _PartState, item: _WorkItem) -> tuple[_PartState, _WorkItem, _Answer]:
         seed = request_seed(self.cfg, item.sample_index)
+        tag = AttemptTag(item.sample_id, item.dataset, state.prompts.part)
         if self.cfg.sampling.regenerate == "every_turn":
-            return state, item, await self._every_turn(item, seed)
+            return state, item, await self._every_turn(item, seed, tag)
         messages = prompt_messages(item.messages)
         if not any(m["role"] == "user" for m in messages):
             return state, item, _Answer(SampleOutcome(None, "empty_prompt", "prompt has no user turn", 0, None), seed)
-        return state, item, _Answer(await self.client.generate(messages, item.sample_index), seed)
+        return state, item, _Answer(await self.client.generate(messages, item.sample_index, tag), seed)
 
-    async def _every_turn(self, item: _WorkItem, seed: int | None) -> _Answer:
+    async def _every_turn(self, item: _WorkItem, seed: int | None, tag: AttemptTag) -> _Answer:
         """Answer each user turn in order, feeding the target's own answers back as history; the dataset's
         assistant turns are dropped. The row holds the final turn and, in `history`, what the last request sent."""
         msgs = item.messages
@@ -279,7 +352,7 @@ class _Run:
                 if m["role"] != "assistant":
                     turns.append(ConversationTurn(role=m["role"], content=m["content"] or "", generated=False))
             taken = at + 1
-            outcome = await self.client.generate(template_messages(turns), item.sample_index)
+            outcome = await self.client.generate(template_messages(turns), item.sample_index, tag)
             attempts += outcome.attempts
             cost += outcome.cost_usd
             retries += outcome.retry_reasons
@@ -329,7 +402,13 @@ class _Run:
             row.update(status="failed", error=self.client.redact(error or reason), failure_reason=reason)
             summary.failed += 1
             summary.failures_by_reason[reason] = summary.failures_by_reason.get(reason, 0) + 1
+            kind = failure_class(reason)
+            summary.failures_by_class[kind] = summary.failures_by_class.get(kind, 0) + 1
+            if kind == "deterministic" and self.ledger is not None:
+                self.ledger.deterministic_failure(item.sample_id, reason, self.fingerprint)
         merge_row(state.rows, row)
+        if self.journal is not None:
+            self.journal.submit({"p": state.prompts.part, "r": row})
         state.buffer.append(row)
         state.outstanding -= 1
         self.complete_parts += state.outstanding == 0
@@ -425,6 +504,19 @@ async def _report_progress(run: _Run, listeners: list[Listener] | None, every_s:
         await asyncio.to_thread(emit, run.snapshot(), listeners)
 
 
+async def _reconcile(client: EndpointClient, ledger: LedgerWriter, unknown: list[tuple[str, str, float]]) -> None:
+    """Unknown outcomes with a generation id: ask OpenRouter what they cost, and give the budget the rest back."""
+
+    async def one(uid: str, generation_id: str, worst: float) -> None:
+        cost = await client.lookup_cost(generation_id)
+        if cost is not None:
+            ledger.reconciled(uid, cost)
+            client.budget.spent_usd -= worst - cost
+            client.budget.prior_usd -= worst - cost
+
+    await asyncio.gather(*(one(*u) for u in unknown))
+
+
 async def _generate_async(
     cfg: PipelineConfig,
     states: list[_PartState],
@@ -432,10 +524,15 @@ async def _generate_async(
     tokenizer: PreTrainedTokenizerBase | None,
     budget: Budget,
     listeners: list[Listener] | None,
+    journal: AppendLog | None = None,
+    ledger: LedgerWriter | None = None,
+    unknown: list[tuple[str, str, float]] | None = None,
 ) -> _Run:
     window = 2 * cfg.endpoint.max_in_flight
-    async with EndpointClient(cfg, markers, tokenizer, budget=budget) as client:
-        run = _Run(cfg, states, client)
+    async with EndpointClient(cfg, markers, tokenizer, budget=budget, ledger=ledger) as client:
+        if unknown and ledger is not None and cfg.endpoint.kind == "openai_chat" and cfg.endpoint.reconcile_cost:
+            await _reconcile(client, ledger, unknown)
+        run = _Run(cfg, states, client, journal, ledger)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
         work = run.work()
         running: set[asyncio.Task[tuple[_PartState, _WorkItem, _Answer]]] = set()
@@ -468,6 +565,8 @@ async def _generate_async(
                 if run.commit_due() or run.complete_parts:
                     await run.commit()
             await run.commit()
+            if client.unknown_with_id and ledger is not None and cfg.endpoint.reconcile_cost:
+                await _reconcile(client, ledger, client.unknown_with_id)
         except BaseException:
             for task in running:
                 task.cancel()
@@ -525,11 +624,6 @@ def _run_blocking(coro: Coroutine[Any, Any, _Run]) -> _Run:
         return pool.submit(asyncio.run, coro).result()
 
 
-def _spent_usd(states: list[_PartState]) -> float:
-    """What the committed rows of these parts cost (done and failed attempts alike): the budget's start."""
-    return sum(row.get("cost_usd") or 0.0 for state in states for row in state.rows.values())
-
-
 def generate_parts(
     cfg: PipelineConfig,
     prompt_refs: list[PartRef],
@@ -537,30 +631,80 @@ def generate_parts(
     tokenizer: PreTrainedTokenizerBase | None = None,
     listeners: list[Listener] | None = None,
 ) -> GenerateSummary:
-    """Generate responses for `prompt_refs` (prompts parts); resumes from finished parts and committed chunks.
+    """Generate responses for `prompt_refs` (prompts parts); resumes from finished parts, chunks and journals.
 
-    A part that already has a "done" row for every sample sends nothing. Raises `FatalEndpointError` (after
-    committing every finished result) when the endpoint refuses the whole run. With `endpoint.max_cost_usd`,
-    the spend already recorded in these parts counts against the cap; reaching it returns `stopped="budget"`.
+    A part that already has a row for every sample it should not re-send sends nothing. Raises
+    `FatalEndpointError` (after committing every finished result) when the endpoint refuses the whole run, and
+    `RunDirBusyError` (having sent nothing) when another run writes the directory. With `endpoint.max_cost_usd`,
+    the ledger's total over the directory's life counts against the cap; reaching it returns `stopped="budget"`.
     """
-    states = [_load_part(ref) for ref in prompt_refs]
+    with run_dir_lock(cfg.run_dir):
+        return _generate_locked(cfg, prompt_refs, markers, tokenizer, listeners)
+
+
+def _generate_locked(
+    cfg: PipelineConfig,
+    prompt_refs: list[PartRef],
+    markers: CompletionMarkers,
+    tokenizer: PreTrainedTokenizerBase | None,
+    listeners: list[Listener] | None,
+) -> GenerateSummary:
+    ep = cfg.endpoint
+    ledger = SpendLedger.load(cfg.run_dir)
+    rules = _RerunRules(settings_fingerprint(cfg), ledger.deterministic, ep.retry_failed, cfg.sampling.max_tokens)
+    parts = {ref.part for ref in prompt_refs}
+    old_journals = journal_paths(cfg.run_dir)
+    journaled: dict[int, list[dict[str, Any]]] = {}
+    compactable: list[Path] = []
+    for path in old_journals:
+        rows = journal_rows(cfg.run_dir, [path])
+        if set(rows) <= parts:
+            compactable.append(path)
+        for part, part_rows in rows.items():
+            journaled.setdefault(part, []).extend(part_rows)
+    states = [_load_part(ref, journaled.get(ref.part, []), rules) for ref in prompt_refs]
     provenance = cfg.provenance()
     for state in states:
-        if not state.todo and (state.has_chunks or not state.was_done):
+        if not state.todo and (state.has_chunks or state.buffer or not state.was_done):
             _finalize(state, provenance)
         elif not state.todo:
             shutil.rmtree(state.chunk_dir, ignore_errors=True)  # a kill during the last cleanup left it
             state.finalized = True
-    budget = Budget(cfg.endpoint.max_cost_usd, _spent_usd(states))
+        elif state.buffer:
+            recovered, state.buffer = state.buffer, []
+            _write_chunk(state, recovered, provenance)
+    for path in compactable:  # their rows are in chunks or parts now
+        path.unlink(missing_ok=True)
+    before = ledger.totals()
+    budget = Budget(ep.max_cost_usd, before.total_usd)
     summary = GenerateSummary(parts=[s.summary for s in states])
     pending = [s for s in states if not s.finalized]
     if pending:
-        if cfg.endpoint.kind == "sglang_generate" and tokenizer is None:
+        if ep.kind == "sglang_generate" and tokenizer is None:
             tokenizer = load_tokenizer(cfg.tokenizer)
-        with _frozen_heap():
-            run = _run_blocking(_generate_async(cfg, pending, markers, tokenizer, budget, listeners))
+        writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s)
+        journal = AppendLog(journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s)
+        unknown = [(uid, gid, ledger.attempts[uid].worst_usd) for uid, gid in ledger.reconcilable()]
+        try:
+            with _frozen_heap():
+                run = _run_blocking(
+                    _generate_async(cfg, pending, markers, tokenizer, budget, listeners, journal, writer, unknown)
+                )
+        finally:
+            journal.close()
+            writer.close()
+            if all(not s.buffer for s in pending):  # every row is in a chunk or a part: the journal is spent
+                journal.path.unlink(missing_ok=True)
         summary.peak_in_flight = run.client.window.peak_in_flight
         summary.window_shrinks = run.client.window.shrinks
-    summary.spent_usd = budget.spent_usd
+    ledger = SpendLedger.load(cfg.run_dir)
+    after = ledger.totals()
+    if pending:
+        by_part = ledger.totals_by_part(writer.token)
+        for state in pending:
+            state.summary.cost_usd = by_part[state.prompts.part].total_usd if state.prompts.part in by_part else 0.0
+    summary.spent_usd = after.total_usd
+    summary.run_cost_usd = after.total_usd - before.total_usd
+    summary.spend = after.to_dict()
     summary.stopped = "budget" if budget.stopped and any(s.outstanding for s in states) else None
     return summary
