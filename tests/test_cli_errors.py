@@ -125,7 +125,11 @@ def _bad_inputs(root: Path, sim: SimulatorServer, tokenizer_dir: Path) -> dict[s
     cases: dict[str, tuple[dict[str, Any], ExitCode, str]] = {
         "config typo": ({"endpoint.max_inflight": 4}, ExitCode.USER, "endpoint.max_inflight"),
         "missing dataset": ({"datasets": [{"name": "B1", "path": str(root / "nope.jsonl")}]}, ExitCode.USER, "nope"),
-        "dead endpoint": ({"endpoint.base_url": _dead_url()}, ExitCode.ENDPOINT, "unreachable"),
+        "dead endpoint": (  # waited for up to outage_abort_s (as during a run), then refused with nothing sent
+            {"endpoint.base_url": _dead_url(), "endpoint.outage_abort_s": 2},
+            ExitCode.ENDPOINT,
+            "unreachable",
+        ),
         "empty dataset": ({"datasets": [{"name": "E", "path": "EMPTY"}]}, ExitCode.USER, "no rows"),
         "all rows quarantined": ({"datasets": [{"name": "Q", "path": "GARBAGE"}]}, ExitCode.USER, "quarantined"),
         "run_dir under a file": ({"run_dir": "FILE/run"}, ExitCode.USER, "is a file"),

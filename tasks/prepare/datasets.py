@@ -257,9 +257,13 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
     empty = [ds for ds in cfg.datasets if counts[ds.name].kept == 0]
     if empty:
         ds, c = empty[0], counts[empty[0].name]
+        if c.rows_read == 0:
+            raise EmptyInputError(
+                f"dataset {ds.name}: {ds.path} holds no rows; point datasets[].path at a non-empty file"
+            )
         raise EmptyInputError(
             f"dataset {ds.name}: no valid rows in {ds.path} ({c.rows_read} rows read, {c.quarantined} quarantined; "
-            f"reasons in {stage_dir / QUARANTINE})"
+            f"reasons in {stage_dir / QUARANTINE}); check the file and datasets[].shape"
         )
     manifest = {
         "fingerprint": fingerprint,
