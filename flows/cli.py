@@ -75,6 +75,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.train:
+        from flows.train_cli import cmd_demo_train
+
+        return cmd_demo_train(args)
     _prefect_env()
     from endpoint_sim.assets import ensure_tiny_model_dir
     from endpoint_sim.server import SimConfig, SimulatorServer
@@ -253,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fresh", action="store_true", help="delete the run directory first")
     demo.add_argument("--noncanonical-rate", type=float, default=0.1)
     demo.add_argument("--no-progress", action="store_true", help="no live generate progress display")
+    demo.add_argument("--train", action="store_true", help="answers from the tiny target itself, then train + evaluate")
     demo.set_defaults(func=cmd_demo)
     gen = sub.add_parser("generate", help="prepare + generate only, without Prefect (resumable; exit 3 = budget cap)")
     gen.add_argument("config")
@@ -264,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", required=True, choices=["specforge", "speculators"])
     export.add_argument("--out", required=True, help="output directory (created; resumable)")
     export.set_defaults(func=cmd_export)
+    from flows.train_cli import add_train_commands
+
+    add_train_commands(sub)
     return parser
 
 

@@ -31,12 +31,17 @@ def test_prefect_yaml_parses_with_prefects_model_and_parameters_match_the_flows(
         assert deployment.entrypoint and deployment.work_pool and deployment.name
         module_path, func = deployment.entrypoint.split(":")
         flow_obj = getattr(importlib.import_module(module_path.removesuffix(".py").replace("/", ".")), func)
+        pools[deployment.name] = (deployment.work_pool.name, deployment.concurrency_limit)
+        if deployment.name == "train-gpu":  # run_dir is given per run; every flow parameter has a name it knows
+            assert set(deployment.parameters or {}) <= set(flow_obj.parameters.properties)
+            assert "run_dir" in flow_obj.parameters.required
+            continue
         assert set(deployment.parameters) == set(flow_obj.parameters.properties) == {"run"}
         RunParameters.model_validate(deployment.parameters["run"])
-        pools[deployment.name] = (deployment.work_pool.name, deployment.concurrency_limit)
     assert pools == {
         "pipeline": ("eagle3-cpu", None),
         "extract-gpu": ("eagle3-gpu", 1),
+        "train-gpu": ("eagle3-gpu", 1),
         "nightly-rerun": ("eagle3-cpu", None),
     }
     nightly = next(d for d in spec.deployments if d.name == "nightly-rerun")
