@@ -43,7 +43,7 @@ def build_run(name: str, out: Path, model_dir: Path, model_backed: bool) -> floa
     run_dir = out / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    sim_config = SimConfig(**DEMO_SIM_WORDS) if model_backed else SimConfig()  # type: ignore[arg-type]
+    sim_config = SimConfig(**DEMO_SIM_WORDS) if model_backed else SimConfig()
     responder = ModelResponder(model_dir, sim_config, temperature=0.0) if model_backed else None
     started = time.monotonic()
     with SimulatorServer(model_dir, sim_config, responder=responder) as sim:

@@ -20,11 +20,11 @@ DEMO_TRAIN_OVERRIDES: dict[str, Any] = {
     "sampling.temperature": 0.0,
     "sampling.top_p": 1.0,
 }
-DEMO_SIM_WORDS = {"reasoning_words": (24, 64), "content_words": (16, 48)}
+DEMO_SIM_WORDS: dict[str, Any] = {"reasoning_words": (24, 64), "content_words": (16, 48)}
 """Answer lengths in tokens of the model-backed demo endpoint."""
 
-DEMO_TRAIN = {"epochs": 6, "lr": 3e-3, "total_seq_len": 1024, "draft_vocab_size": 4096}
-DEMO_EVAL = {"max_new_tokens": 64, "max_prompts": 8}
+DEMO_TRAIN: dict[str, Any] = {"epochs": 6, "lr": 3e-3, "total_seq_len": 1024, "draft_vocab_size": 4096}
+DEMO_EVAL: dict[str, Any] = {"max_new_tokens": 64, "max_prompts": 8}
 
 
 def add_train_commands(sub: Any) -> None:
@@ -149,7 +149,7 @@ def cmd_demo_train(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)
     model_dir = ensure_tiny_model_dir(Path(args.assets_dir).resolve() / "tiny-deepseek-v31")
     started = time.monotonic()
-    sim_config = SimConfig(**DEMO_SIM_WORDS)  # type: ignore[arg-type]
+    sim_config = SimConfig(**DEMO_SIM_WORDS)
     responder = ModelResponder(model_dir, sim_config, temperature=0.0)
     with (
         SimulatorServer(model_dir, sim_config, responder=responder) as sim,

@@ -31,9 +31,7 @@ from tests.test_extract import make_cfg
 SAMPLES = 24
 PROMPT_LEN = (6, 14)
 ANSWER_LEN = 32
-OPTIONS = TrainOptions(
-    epochs=4, lr=3e-3, total_seq_len=256, draft_vocab_size=512, train_data_ratio=0.75, checkpoint_freq=1.0
-)
+OPTIONS = TrainOptions(epochs=8, lr=3e-3, total_seq_len=128, draft_vocab_size=512, train_data_ratio=0.75)
 
 
 def greedy_samples(model_dir: Path, seed: int = 7) -> list[tuple[list[int], list[int]]]:
@@ -108,7 +106,7 @@ def test_evaluate_agrees_with_the_trainers_own_validation_metric(trained: dict[s
     assert cross["trainer_full_acc"] is not None and len(cross["trainer_full_acc"]) == 3
     assert cross["trainer_full_acc"][0] > 0.5  # the comparison is between non-trivial figures
     assert cross["max_abs_diff"] <= TOLERANCE and cross["agrees"]
-    assert trained["evaluation"]["teacher_forced"]["positions"] == 6 * ANSWER_LEN - 1
+    assert trained["evaluation"]["teacher_forced"]["positions"] == 6 * ANSWER_LEN
 
 
 def test_checkpoint_loads_with_the_trainers_own_from_pretrained(trained: dict[str, Any], tiny_model_dir: Path) -> None:
@@ -134,16 +132,16 @@ def test_metrics_and_report_section(trained: dict[str, Any]) -> None:
 
 
 def test_training_resumes_from_its_checkpoints(trained: dict[str, Any]) -> None:
-    """Two more epochs on the same output directory start from epoch 4's checkpoint, not from scratch."""
+    """The same options again return the finished summary; one more epoch resumes from the last checkpoint and
+    trains only that epoch (multipack batching gives 7-8 steps an epoch here), not all of them from scratch."""
     run_dir: Path = trained["run_dir"]
     first = trained["summary"]
-    steps_per_epoch = first["steps"] // OPTIONS.epochs
     again = train_run(run_dir, run_dir / "train", OPTIONS)
     assert again["resumed"] == "finished" and again["checkpoint"] == first["checkpoint"]
     longer = TrainOptions(**{**OPTIONS.__dict__, "epochs": OPTIONS.epochs + 1})
     resumed = train_run(run_dir, run_dir / "train", longer)
     assert resumed["resumed_from_checkpoints"] == [str(e) for e in range(OPTIONS.epochs)]
-    assert resumed["steps"] == steps_per_epoch
+    assert 0 < resumed["steps"] <= 2 * first["steps"] // OPTIONS.epochs
     assert resumed["checkpoint"].endswith(f"/{OPTIONS.epochs}")
     assert resumed["val_metrics"][-1]["epoch"] == OPTIONS.epochs
 
@@ -154,8 +152,10 @@ def test_walk_statistics() -> None:
         stats.add(proposed, accepted)
     out = stats.as_dict()
     assert out["mean_accepted_length"] == 6 / 4 and out["tokens_per_verify_step"] == 10 / 4
-    assert out["per_position_acceptance"] == [3 / 4, 3 / 3, 1 / 3]
-    assert out["per_position_accepted_rate"] == [3 / 4, 3 / 4, 1 / 3]
+    # draft 1 reached 4 times, accepted 3; draft 2 reached 3 times (not after the 0), accepted 2; draft 3 reached
+    # once (the 2-draft step proposed no third), accepted once
+    assert out["per_position_acceptance"] == [3 / 4, 2 / 3, 1 / 1]
+    assert out["per_position_accepted_rate"] == [3 / 4, 2 / 4, 1 / 3]
 
 
 def test_drafter_maps_draft_ids_to_target_ids(trained: dict[str, Any]) -> None:

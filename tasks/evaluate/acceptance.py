@@ -42,10 +42,12 @@ class WalkStats:
     verify_steps: int = 0
     accepted_tokens: int = 0
     proposed_at: list[int] = field(default_factory=list)
+    reached_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.proposed_at = self.proposed_at or [0] * self.k
+        self.reached_at = self.reached_at or [0] * self.k
         self.accepted_at = self.accepted_at or [0] * self.k
 
     def add(self, proposed: int, accepted: int) -> None:
@@ -53,6 +55,8 @@ class WalkStats:
         self.accepted_tokens += accepted
         for j in range(proposed):
             self.proposed_at[j] += 1
+        for j in range(min(accepted + 1, proposed)):
+            self.reached_at[j] += 1  # draft j was proposed and every earlier one accepted
         for j in range(accepted):
             self.accepted_at[j] += 1
 
@@ -65,10 +69,7 @@ class WalkStats:
             "tokens_per_verify_step": (self.accepted_tokens + self.verify_steps) / steps,
             # P(draft j accepted | drafts < j accepted and draft j proposed)
             "per_position_acceptance": [
-                (self.accepted_at[j] / self.accepted_at[j - 1] if j else self.accepted_at[0] / steps)
-                if (self.accepted_at[j - 1] if j else steps)
-                else 0.0
-                for j in range(self.k)
+                self.accepted_at[j] / self.reached_at[j] if self.reached_at[j] else 0.0 for j in range(self.k)
             ],
             # P(drafts 1..j all accepted) over the verify steps that proposed draft j
             "per_position_accepted_rate": [
@@ -187,7 +188,9 @@ class Drafter:
                 mask[..., rows:] = True
                 hidden = self._layers(inputs, torch.tensor([[m + step + 1]]), cache, mask, rows + step)
         finally:
-            cache.crop(rows)
+            extra = cache.get_seq_length() - rows
+            if extra > 0:
+                cache.crop(-extra)
         return drafts
 
 

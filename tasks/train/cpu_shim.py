@@ -7,11 +7,14 @@ Its `Trainer` assumes CUDA in three places, all of which stay untouched on a GPU
 - `self.device_type` falls back to `"cuda"` when `torch.accelerator.current_accelerator()` is None, so autocast
   would be requested for a device that does not exist (torch then silently disables it, and bf16 hidden states
   meet fp32 weights);
-- its step timer calls `torch.accelerator.synchronize()` on logged steps, which raises without an accelerator.
+- its step timer calls `torch.accelerator.synchronize()` on logged steps, which raises without an accelerator;
+- on resume its checkpointer loads weights and optimizer state onto `get_current_device()`, which answers
+  `"cuda:0"` when there is no accelerator.
 
 `cpu_trainer()` patches exactly these: a `Trainer` subclass whose `local_rank` is `torch.device("cpu")` and whose
 `device_type` is `"cpu"` (CPU autocast in the configured hidden-state dtype), installed as the class speculators'
-`train.cli.main` instantiates, plus a no-op `synchronize` for the duration of the call. Two further CPU needs are
+`train.cli.main` instantiates, a no-op `synchronize` and a checkpointer device of `"cpu"`, for the duration of
+the call. Two further CPU needs are
 plain trainer options, not patches: `draft_attn_impl="sdpa"` (FlexAttention has no CPU backward) and
 `loss_implementation="eager"` (the fused loss is a Triton kernel); `TrainOptions.for_device` picks them.
 """
@@ -33,11 +36,11 @@ def accelerator_available() -> bool:
 def _cpu_trainer_class() -> type:
     from speculators.train.trainer import Trainer
 
-    class CpuTrainer(Trainer):  # type: ignore[misc]
+    class CpuTrainer(Trainer):
         """speculators' Trainer with the CPU as its device; every method is the trainer's own."""
 
         @property
-        def local_rank(self) -> torch.device:
+        def local_rank(self) -> torch.device:  # type: ignore[override,unused-ignore]
             return torch.device("cpu")
 
         @local_rank.setter
@@ -61,10 +64,12 @@ def cpu_trainer() -> Iterator[None]:
     if accelerator_available():
         yield
         return
+    import speculators.train.checkpointer as checkpointer
     import speculators.train.cli as train_cli
 
     with (
         mock.patch.object(train_cli, "Trainer", _cpu_trainer_class()),
         mock.patch.object(torch.accelerator, "synchronize", lambda *args, **kwargs: None),
+        mock.patch.object(checkpointer, "get_current_device", lambda: "cpu"),
     ):
         yield

@@ -192,19 +192,19 @@ def captured_metrics() -> Iterator[MetricRecords]:
         logger.removeHandler(handler)
 
 
-def write_token_freq(export_dir: Path, train_data_ratio: float, path: Path) -> Path:
-    """Token frequencies of the train split's loss-masked tokens, with speculators' own counter, so the draft
-    vocabulary never sees the validation rows; the trainer builds d2t / t2d from it."""
+def write_token_freq(export_dir: Path, path: Path) -> Path:
+    """Token frequencies of the loss-masked tokens of every exported row, counted with speculators' own
+    `save_token_frequency_distribution`, as its data preparation does (over the whole dataset, before the
+    train/val split); the trainer builds its d2t / t2d draft-vocabulary maps from it."""
     if path.is_file():
         return path
     from datasets import load_from_disk
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
     data = load_from_disk(str(export_dir)).with_format("torch")
-    train_rows = data.select(range(int(len(data) * train_data_ratio)))
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
-    save_token_frequency_distribution(train_rows, tmp)
+    save_token_frequency_distribution(data, tmp)
     tmp.replace(path)
     return path
 
@@ -233,9 +233,7 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
     save_path = out / CHECKPOINT_DIR
     resumed_from = [p.name for p in checkpoint_dirs(save_path)]
     token_freq = (
-        write_token_freq(out / EXPORT_DIR, opts.train_data_ratio, out / "token_freq.pt")
-        if opts.draft_vocab_size is not None
-        else None
+        write_token_freq(out / EXPORT_DIR, out / "token_freq.pt") if opts.draft_vocab_size is not None else None
     )
     cfg = build_train_config(out / EXPORT_DIR, save_path, verifier, layer_ids, opts, token_freq)
     from speculators.train.cli import main as speculators_train
