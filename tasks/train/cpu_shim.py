@@ -39,8 +39,8 @@ def _cpu_trainer_class() -> type:
     class CpuTrainer(Trainer):
         """speculators' Trainer with the CPU as its device; every method is the trainer's own."""
 
-        @property
-        def local_rank(self) -> torch.device:  # type: ignore[override,unused-ignore]
+        @property  # type: ignore[override,unused-ignore]
+        def local_rank(self) -> torch.device:
             return torch.device("cpu")
 
         @local_rank.setter
