@@ -14,7 +14,7 @@ on the same held-out prompts (the trainer's validation split, identical in the t
 the target's greedy decode, K drafts per verify step, greedy chain verification.
 
 Prints both acceptance lengths side by side and their ratio. CPU, a few minutes:
-    python bench/ab_regenerated_vs_original.py [--out runs/ab] [--steps 60]
+    python bench/ab_regenerated_vs_original.py [--out runs/ab] [--steps 40]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def train_and_evaluate(run_dir: Path, steps: int, max_prompts: int, max_new_toke
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "runs" / "ab"))
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps for each drafter (same budget)")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each drafter (same budget)")
     parser.add_argument("--max-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()

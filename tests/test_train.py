@@ -131,6 +131,34 @@ def test_metrics_and_report_section(trained: dict[str, Any]) -> None:
     assert (run_dir / "train" / "evaluation.json").is_file()
 
 
+@pytest.mark.usefixtures("prefect_harness")
+def test_train_flow_publishes_metrics_and_acceptance_as_artifacts(trained: dict[str, Any]) -> None:
+    """The Prefect layer over the same output directory: the finished training is reused, not redone."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.train_flow import train_flow
+
+    run_dir: Path = trained["run_dir"]
+    state = train_flow(
+        str(run_dir), str(run_dir / "train"), OPTIONS.__dict__, evaluate_kwargs={"max_new_tokens": 8}, return_state=True
+    )
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["train"]["resumed"] == "finished"
+    assert result["evaluate"]["walk"]["k"] == 3
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
+    keys = {a.key or "" for a in artifacts}
+    assert {a.type for a in artifacts} == {"table", "markdown"}
+    for what in ("drafter-val-metrics", "drafter-train-metrics", "drafter-acceptance"):
+        assert any(k.startswith(what) for k in keys), (what, keys)
+    val_table = next(a for a in artifacts if "drafter-val-metrics" in (a.key or ""))
+    assert "full_acc_0_epoch" in json.dumps(val_table.data)
+
+
 def test_training_resumes_from_its_checkpoints(trained: dict[str, Any]) -> None:
     """The same options again return the finished summary; one more epoch resumes from the last checkpoint and
     trains only that epoch (multipack batching gives 7-8 steps an epoch here), not all of them from scratch."""
