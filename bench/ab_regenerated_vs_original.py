@@ -9,7 +9,7 @@ Two run directories over the same prompts (the bundled demo datasets), identical
 
 Both go through the same pipeline (prepare, generate, reconstruct, validate, extract), and drafters are trained
 with speculators' trainer on each with the same token budget (the same number of optimizer steps over packed
-batches of the same `total_seq_len`, so the same number of tokens), the same seed and options. Both are evaluated
+batches of the same `total_seq_len`; the non-padding tokens actually trained on are printed too), the same seed and options. Both are evaluated
 on the same held-out prompts (the trainer's validation split, identical in the two runs) with the acceptance walk:
 the target's greedy decode, K drafts per verify step, greedy chain verification.
 
@@ -70,8 +70,7 @@ def train_and_evaluate(run_dir: Path, steps: int, max_prompts: int, max_new_toke
         "summary": summary,
         "evaluation": evaluation,
         "prompts": [prompt_of(ids, mask) for ids, mask in rows],
-        "train_tokens": steps * options.total_seq_len,
-        "loss_tokens": sum(sum(mask) for _, mask in heldout_rows(run_dir / "train" / "export", 1.0 - 1e-9)),
+        "budget_tokens": steps * options.total_seq_len,
     }
 
 
@@ -102,7 +101,8 @@ def main() -> int:
         rows.append(
             {
                 "answers": name,
-                "train_tokens": r["train_tokens"],
+                "budget_tokens": r["budget_tokens"],
+                "train_tokens": r["summary"]["train_tokens"],
                 "steps": r["summary"]["steps"],
                 "mean_accepted_length": round(walk["mean_accepted_length"], 3),
                 "tokens_per_verify_step": round(walk["tokens_per_verify_step"], 3),
@@ -118,7 +118,9 @@ def main() -> int:
     reg, orig = rows[0]["mean_accepted_length"], rows[1]["mean_accepted_length"]
     k = results["regenerated"]["evaluation"]["k"]
     print(
-        f"\nK={k}, same {rows[0]['train_tokens']} training tokens each, same {len(results['original']['prompts'])} "
+        f"\nK={k}, same budget of {rows[0]['budget_tokens']} tokens ({args.steps} packed batches) each (trained on "
+        f"{rows[0]['train_tokens']} vs {rows[1]['train_tokens']} non-padding tokens), same "
+        f"{len(results['original']['prompts'])} "
         f"held-out prompts:\n  accepted drafts per verify step: regenerated {reg:.3f} vs original {orig:.3f} "
         f"(ratio {reg / orig if orig else float('inf'):.1f}x)\n  tokens per verify step: regenerated "
         f"{rows[0]['tokens_per_verify_step']:.3f} vs original {rows[1]['tokens_per_verify_step']:.3f}"

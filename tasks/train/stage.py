@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -160,6 +160,8 @@ class MetricRecords(logging.Handler):
         super().__init__(logging.INFO)
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
+        self.tokens = 0
+        """non-padding tokens trained on (the trainer's profile: tokens_per_s x step_ms per logged step)"""
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.msg
@@ -167,6 +169,9 @@ class MetricRecords(logging.Handler):
             return
         if "train" in msg:
             self.train.append({"global_step": msg.get("global_step"), "epoch": msg.get("epoch"), **msg["train"]})
+            profile = msg.get("profile") or {}
+            if profile.get("tokens_per_s") and profile.get("step_ms"):
+                self.tokens += round(profile["tokens_per_s"] * profile["step_ms"] / 1000)
         if "val" in msg:
             self.val.append({"epoch": msg.get("epoch"), **msg["val"]})
 
@@ -209,6 +214,34 @@ def write_token_freq(export_dir: Path, path: Path) -> Path:
     return path
 
 
+def epochs_for_steps(export_dir: Path, o: TrainOptions) -> int:
+    """How many epochs `max_steps` optimizer steps span, counted with speculators' own batch sampler.
+
+    speculators 0.9.0's Trainer ends an epoch at `max_steps` but then starts the next one, which again stops
+    after its first step (and checkpoints and validates): `max_steps` alone runs every configured epoch. So the
+    epochs are cut to the ones the steps need; the last of them ends at `max_steps` exactly.
+    """
+    if o.max_steps is None:
+        return o.epochs
+    from datasets import load_from_disk
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    data = load_from_disk(str(export_dir))
+    lengths = list(data.select(range(int(len(data) * o.train_data_ratio))).with_format(None)["seq_len"])
+    sampler = MultipackDistributedBatchSamplerV2(
+        batch_max_length=o.total_seq_len, lengths=lengths, num_replicas=1, rank=0, seed=o.seed
+    )
+    steps, epochs = 0, 0
+    while steps < o.max_steps and epochs < o.epochs:
+        sampler.set_epoch(epochs)
+        per_epoch = len(sampler)
+        if per_epoch == 0:
+            raise TrainError(f"{export_dir}: the training split yields no batch of {o.total_seq_len} tokens")
+        steps += per_epoch
+        epochs += 1
+    return epochs
+
+
 def _scalars(record: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items() if isinstance(v, int | float)}
 
@@ -235,7 +268,8 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
     token_freq = (
         write_token_freq(out / EXPORT_DIR, out / "token_freq.pt") if opts.draft_vocab_size is not None else None
     )
-    cfg = build_train_config(out / EXPORT_DIR, save_path, verifier, layer_ids, opts, token_freq)
+    epochs = epochs_for_steps(out / EXPORT_DIR, opts)
+    cfg = build_train_config(out / EXPORT_DIR, save_path, verifier, layer_ids, replace(opts, epochs=epochs), token_freq)
     from speculators.train.cli import main as speculators_train
 
     train_started = time.monotonic()
@@ -254,8 +288,9 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
         "options": _jsonable(asdict(opts)),
         "export": {k: export_stats[k] for k in ("samples", "parts", "bytes_written", "wall_s")},
         "resumed_from_checkpoints": resumed_from,
+        "epochs_run": epochs,
         "steps": len(metrics.train),
-        "train_tokens": None,
+        "train_tokens": metrics.tokens,
         "train_metrics": [_scalars(r) for r in metrics.train],
         "val_metrics": [_scalars(r) for r in metrics.val],
         "export_s": round(export_s, 3),
