@@ -9,9 +9,10 @@ Two run directories over the same prompts (the bundled demo datasets), identical
 
 Both go through the same pipeline (prepare, generate, reconstruct, validate, extract), and drafters are trained
 with speculators' trainer on each with the same token budget (the same number of optimizer steps over packed
-batches of the same `total_seq_len`; the non-padding tokens actually trained on are printed too), the same seed and options. Both are evaluated
-on the same held-out prompts (the trainer's validation split, identical in the two runs) with the acceptance walk:
-the target's greedy decode, K drafts per verify step, greedy chain verification.
+batches of the same `total_seq_len`; the non-padding tokens actually trained on are printed too), the same seed
+and options. Both are evaluated on the same held-out prompts (the trainer's validation split, identical in the
+two runs) with the acceptance walk: the target's greedy decode, K drafts per verify step, greedy chain
+verification.
 
 Prints both acceptance lengths side by side and their ratio. CPU, a few minutes:
     python bench/ab_regenerated_vs_original.py [--out runs/ab] [--steps 40]
