@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ def add_train_commands(sub: Any) -> None:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-evaluate", action="store_true", help="skip the acceptance evaluation afterwards")
     train.add_argument("--no-prefect", action="store_true", help="plain calls, no Prefect flow or artifacts")
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=_user_errors(cmd_train))
     ev = sub.add_parser("evaluate", help="acceptance of a trained drafter on the run's held-out prompts")
     ev.add_argument("run_dir")
     ev.add_argument("--train-dir", help="default RUN_DIR/train")
@@ -50,7 +51,37 @@ def add_train_commands(sub: Any) -> None:
     ev.add_argument("--max-prompts", type=int)
     ev.add_argument("--no-baseline", action="store_true", help="skip the untrained drafter's walk")
     ev.add_argument("--no-prefect", action="store_true")
-    ev.set_defaults(func=cmd_evaluate)
+    ev.set_defaults(func=_user_errors(cmd_evaluate))
+
+
+EXIT_USER_ERROR = 1
+"""`train` / `evaluate`: a run directory, option or installation they cannot work with (one line on stderr)."""
+
+
+def _user_errors(command: Any) -> Any:
+    """Run a command; a run directory it cannot use or a missing `train` extra is one line and exit code 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        from tasks.common.errors import ConfigError
+        from tasks.export import ExportError
+
+        try:
+            result: int = command(args)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] not in ("speculators", "hs_connectors", "datasets"):
+                raise
+            print(
+                f"eagle3-datagen {args.command}: needs the train extra ({exc.name} is not installed): "
+                "pip install 'eagle3-datagen[train]'",
+                file=sys.stderr,
+            )
+            return EXIT_USER_ERROR
+        except (ConfigError, ExportError) as exc:
+            print(f"eagle3-datagen {args.command}: {exc}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        return result
+
+    return run
 
 
 def train_options(args: argparse.Namespace) -> Any:

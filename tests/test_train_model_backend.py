@@ -72,3 +72,13 @@ def test_report_sections_are_spliced_replaced_and_reapplied(tmp_path: Path) -> N
     assert "2.10" in (out / "report.md").read_text()
     with pytest.raises(ValueError, match="section name"):
         add_report_section(tmp_path, "Bad Name", "x")
+
+
+def test_train_cli_names_a_run_without_hidden_states_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flows.cli import main
+
+    assert main(["train", str(tmp_path), "--no-prefect"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no finished hidden_states parts" in err and str(tmp_path) in err
