@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/makespan.py
 	$(BIN)/python bench/reconstruct_throughput.py
 	$(BIN)/python bench/extract_throughput.py
+	$(BIN)/python bench/rerun_noop.py
 
 clean:
 	rm -rf runs .mypy_cache .ruff_cache .pytest_cache

@@ -66,7 +66,7 @@ def train_and_evaluate(run_dir: Path, steps: int, max_prompts: int, max_new_toke
     options = TrainOptions(epochs=1000, max_steps=steps, lr=3e-3, total_seq_len=1024, draft_vocab_size=4096, seed=0)
     summary = train_run(run_dir, run_dir / "train", options)
     evaluation = evaluate_run(run_dir, run_dir / "train", max_new_tokens=max_new_tokens, max_prompts=max_prompts)
-    rows = heldout_rows(run_dir / "train" / "export", options.train_data_ratio)[:max_prompts]
+    rows = heldout_rows(run_dir / "train" / "export", summary["train_data_ratio"])[:max_prompts]
     return {
         "summary": summary,
         "evaluation": evaluation,

@@ -10,6 +10,10 @@ approach (per sample `apply_chat_template(tokenize=True)` + `encode`).
 Synthetic but realistic samples: completions of 2-8k tokens (reasoning + content) built from the tokenizer's
 own word pieces, sentences, numbers, code lines and some CJK text, with short prompts.
 
+The validate stage (`tasks.validate.checks.validate_part`: reference, structure and special-token checks on the
+ids, prompt-token reconciliation, tool-call markup, whitespace) is timed over the same parts and printed beside
+them as `validate_tok_s` and `validate_ratio` (vs raw `encode_batch`), informative: it runs after reconstruction.
+
 Prints one JSON line: {"ratio": stage tok/s / raw tok/s, ...}. Goal: ratio >= 0.8.
 """
 
@@ -36,8 +40,9 @@ from tasks.reconstruct.completion_format import PRESETS, completion_layout
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_backend import backend_for
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt
+from tasks.validate.checks import validate_part
 
-FORMAT = PRESETS["deepseek_v31_thinking"]
+FORMAT = PRESETS["deepseek_v4_thinking"]
 DATASET = "bench"
 CODE = ["def f(x):", "    return x * 2 + 1", "for i in range(10):", "    total += values[i]", "}", "if (n > 0) {"]
 CJK = ["这是一个测试句子。", "模型需要逐步推理。", "日本語の文章も含まれます。"]
@@ -129,6 +134,21 @@ def time_stage(cfg: PipelineConfig) -> tuple[float, int]:
     return wall, sum(s["tokens"] for s in stats)
 
 
+def time_validate(cfg: PipelineConfig) -> tuple[float, int]:
+    """Validate every tokens part (they exist after `time_stage`)."""
+    shutil.rmtree(cfg.run_dir / "validation", ignore_errors=True)
+    parts = [r.part for r in done_parts(cfg.run_dir, "tokens")]
+    start = time.perf_counter()
+    for p in parts:
+        validate_part(cfg, p, FORMAT)
+    wall = time.perf_counter() - start
+    tokens = sum(
+        read_part(r, columns=["input_ids"]).column("input_ids").combine_chunks().values.__len__()
+        for r in done_parts(cfg.run_dir, "tokens")
+    )
+    return wall, tokens
+
+
 def time_raw(backend: Any, texts: list[str], fast: bool = False) -> tuple[float, int]:
     encode = backend.encode_batch_fast if fast else backend.encode_batch
     start = time.perf_counter()
@@ -181,7 +201,7 @@ def main() -> None:
         time_raw(raw_backend, texts[:32])  # warm both paths (thread pools, caches)
         time_stage(cfg)
 
-        raw_walls, fast_walls, stage_walls = [], [], []
+        raw_walls, fast_walls, stage_walls, validate_walls = [], [], [], []
         raw_tokens = stage_tokens = 0
         for _ in range(args.repeats):
             wall, raw_tokens = time_raw(raw_backend, texts)
@@ -189,6 +209,8 @@ def main() -> None:
             fast_walls.append(time_raw(raw_backend, texts, fast=True)[0])
             wall, stage_tokens = time_stage(cfg)
             stage_walls.append(wall)
+            wall, validated_tokens = time_validate(cfg)
+            validate_walls.append(wall)
         if raw_tokens != stage_tokens:
             raise SystemExit(f"token counts differ: raw {raw_tokens} vs stage {stage_tokens}")
         result: dict[str, Any] = {
@@ -205,12 +227,15 @@ def main() -> None:
             "raw_tok_s": round(raw_tokens / min(raw_walls)),
             "stage_tok_s": round(stage_tokens / min(stage_walls)),
             "raw_fast_tok_s": round(raw_tokens / min(fast_walls)),
+            "validate_wall_s": round(min(validate_walls), 3),
+            "validate_tok_s": round(validated_tokens / min(validate_walls)),
         }
         if not args.no_naive:
             wall, naive_tokens = time_naive(tokenizer, cfg)
             result["naive_tok_s"] = round(naive_tokens / wall)
             result["naive_ratio"] = round(result["naive_tok_s"] / result["raw_tok_s"], 3)
         result["ratio_vs_encode_batch_fast"] = round(result["stage_tok_s"] / result["raw_fast_tok_s"], 3)
+        result["validate_ratio"] = round(result["validate_tok_s"] / result["raw_tok_s"], 3)
         result["ratio"] = round(result["stage_tok_s"] / result["raw_tok_s"], 3)
         print(json.dumps(result))
     finally:

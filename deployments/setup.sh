@@ -15,6 +15,12 @@ prefect --no-prompt work-pool set-concurrency-limit eagle3-gpu 1
 
 prefect --no-prompt block register -m blocks
 prefect --no-prompt deploy --prefect-file deployments/prefect.yaml --all
+# EAGLE3_DEMO_BLOCKS=1: save the blocks the deployments name, pointing at the local simulator
+# (EAGLE3_DEMO_ENDPOINT, default http://127.0.0.1:30000) and EAGLE3_DEMO_RUNS_DIR (default runs/).
+if [ -n "${EAGLE3_DEMO_BLOCKS:-}" ]; then
+  python deployments/demo_blocks.py --endpoint-url "${EAGLE3_DEMO_ENDPOINT:-http://127.0.0.1:30000}" \
+    --runs-dir "${EAGLE3_DEMO_RUNS_DIR:-runs}"
+fi
 # Failure notifications need a notification block you created (Slack, email, ...): name it in EAGLE3_NOTIFY_BLOCK.
 if [ -n "${EAGLE3_NOTIFY_BLOCK:-}" ]; then
   python deployments/create_automations.py --notify-block "$EAGLE3_NOTIFY_BLOCK"

@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
     )
     parser.add_argument("--auth-fail-all", action="store_true")
     parser.add_argument("--required-api-key")
+    parser.add_argument(
+        "--build-tiny-model",
+        action="store_true",
+        help="first build the demo's tiny random-weight model into --model-dir unless it is there already",
+    )
+    parser.add_argument("--model-name", help="the model name the server answers to and prices (models listing)")
     args = parser.parse_args(argv)
     data = json.loads(args.config_json.read_text()) if args.config_json else {}
     flags = {
@@ -46,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
         "latency_s": args.latency_s,
         "latency_lognormal": tuple(args.latency_lognormal) if args.latency_lognormal else None,
         "required_api_key": args.required_api_key,
+        "model_name": args.model_name,
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.auth_fail_all:
@@ -86,6 +93,10 @@ def _raise_open_files_limit() -> None:
 def main(argv: list[str] | None = None) -> None:
     args, config = parse_args(argv)
     _raise_open_files_limit()
+    if args.build_tiny_model:
+        from endpoint_sim.assets import ensure_tiny_model_dir
+
+        ensure_tiny_model_dir(args.model_dir)
     serve_forever(args.model_dir, config, args.host, args.port, args.port_file)
 
 

@@ -140,6 +140,23 @@ class SimConfig(BaseModel):
     stream_chunk_delay_s: float = Field(
         default=0.0, ge=0.0, description="Pause between SSE chunks; 0 sends the whole stream at once."
     )
+    injected_system_prompt: str | None = Field(
+        default=None,
+        description="Chat route: a provider-side default system prompt, rendered before a conversation that has "
+        "none; usage.prompt_tokens counts it (what a client rebuilding the prompt never sees).",
+    )
+    boundary_whitespace_rate: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of answers the model ends its reasoning with a newline in and starts its content "
+        "with a blank line in (the reference ids hold them).",
+    )
+    strip_whitespace: bool = Field(
+        default=False,
+        description="Return reasoning and content stripped of leading/trailing whitespace, reference ids untouched "
+        "(SGLang's reasoning parser before its PR #24251).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
@@ -262,7 +279,10 @@ class Responder:
         self._samples: _Lru[str, SimSample] = _Lru(self.config.cache_size)
 
     def update_config(self, config: SimConfig) -> None:
-        """New knobs change answers, so cached samples go; rendered prompts do not depend on knobs."""
+        """New knobs change answers, so cached samples go; rendered prompts depend only on the injected system
+        prompt."""
+        if config.injected_system_prompt != self.config.injected_system_prompt:
+            self._prompts.clear()
         self.config = config
         self._samples = _Lru(config.cache_size)
         self._prompts.size = config.cache_size
@@ -272,6 +292,9 @@ class Responder:
         cached = self._prompts.get(cache_key)
         if cached is not None:
             return cached
+        injected = self.config.injected_system_prompt
+        if injected is not None and (not messages or messages[0].get("role") != "system"):
+            messages = [{"role": "system", "content": injected}, *messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(text, str):
             raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
@@ -314,6 +337,8 @@ class Responder:
         has_tool_call = unit_hash(key, cfg.seed, "tool") < cfg.tool_call_rate
         if has_tool_call:
             content = (content + "\n\n" if content else "") + _tool_call(rng)
+        if unit_hash(key, cfg.seed, "whitespace") < cfg.boundary_whitespace_rate:
+            reasoning, content = reasoning + "\n", "\n\n" + content
         provider = cfg.providers[int(unit_hash(key, cfg.seed, "provider") * len(cfg.providers))]
         canonical_body = self._encode(reasoning + REASONING_CLOSE + content)
         canonical = (*canonical_body, self.eos_id)
@@ -328,6 +353,8 @@ class Responder:
             if split is not None:
                 output_body, noncanonical = split, True
         output = (*output_body, self.eos_id)
+        if cfg.strip_whitespace:
+            reasoning, content = reasoning.strip(), content.strip()
         return SimSample(
             key=key,
             prompt_ids=prompt_ids,

@@ -536,6 +536,19 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "endpoint-sim"}]})
 
 
+async def openrouter_models(request: web.Request) -> web.Response:
+    """OpenRouter's public models listing (USD per token as strings); not a completion, counted apart."""
+    state = request.app[STATE]
+    state.by_route["models_listing"] += 1
+    cfg = state.config
+    pricing = {
+        "prompt": f"{cfg.price_prompt_usd_per_mtok / 1e6:.12f}",
+        "completion": f"{cfg.price_completion_usd_per_mtok / 1e6:.12f}",
+    }
+    entry = {"id": cfg.model_name, "canonical_slug": cfg.model_name, "name": cfg.model_name, "pricing": pricing}
+    return web.json_response({"data": [entry]})
+
+
 async def generation_lookup(request: web.Request) -> web.Response:
     """OpenRouter's billing record of one completion; counted apart from completions (not in by_key)."""
     state = request.app[STATE]
@@ -594,6 +607,7 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_get("/v1/generation", generation_lookup)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/api/v1/models", openrouter_models)
     app.router.add_get("/_sim/stats", sim_stats)
     app.router.add_get("/_sim/config", sim_config)
     app.router.add_post("/_sim/config", sim_config)

@@ -1,14 +1,19 @@
-"""`eagle3-datagen` command line: `run CONFIG.yaml`, `demo`, `generate CONFIG.yaml` (no Prefect), and
-`export RUN_DIR` (trainer layouts).
+"""Make EAGLE-3 drafter training data from a target model's own answers: send your prompt datasets to an
+OpenAI-compatible endpoint (OpenRouter, SGLang, vLLM), rebuild the exact token ids, validate them, and store the
+target's hidden states for training.
 
-Prefect is imported lazily, after the environment defaults below are in place, because its settings are read
-once at import time; `generate` and `export` never import it.
+Start with `eagle3-datagen demo` (a local simulated endpoint, nothing to configure), then
+`eagle3-datagen estimate my-run.yaml` to see what your own run will cost, and `eagle3-datagen run my-run.yaml`.
 """
+
+# Prefect is imported lazily, after the environment defaults below are in place, because its settings are read
+# once at import time; `generate`, `estimate` and `export` never import it.
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -19,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from flows.exit_codes import ExitCode, error_line, exit_code_for, exit_code_table
 
 if TYPE_CHECKING:
     from tasks.common.config import PipelineConfig
@@ -31,9 +38,30 @@ PREFECT_DEFAULTS = {
 }
 
 
+DEBUG = False
+"""Set by `--debug`: errors come with their traceback and Prefect's own log is left as it is."""
+
+
 def _prefect_env() -> None:
     for key, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if not DEBUG:  # the run's log goes to stdout; stderr carries only the one-line error, if any
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_STREAM", "ext://sys.stdout")
+
+
+class _NoTraceback(logging.Filter):
+    """Prefect logs every failed task with its traceback; the console shows the message, the API keeps it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        return True
+
+
+def _quiet_prefect_console() -> None:
+    if not DEBUG:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_NoTraceback())
 
 
 def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -41,7 +69,9 @@ def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--set expects KEY=VALUE, got {pair!r}")
+            from tasks.common.errors import ConfigError
+
+            raise ConfigError(f"--set expects KEY=VALUE (e.g. endpoint.max_in_flight=500), got {pair!r}")
         overrides[key] = yaml.safe_load(value)
     return overrides
 
@@ -52,26 +82,74 @@ def demo_config_path() -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _prefect_env()
+    overrides = _parse_overrides(args.set or [])
+    config_path = Path(args.config).resolve()
+    if not args.endpoint_block:  # a config mistake is reported before a Prefect server is started for nothing
+        from tasks.common.config import load_config
+
+        _preflight(load_config(config_path, overrides), probe=not args.dry_run)
     from flows.params import RunParameters
     from flows.pipeline import pipeline
 
+    _quiet_prefect_console()
     run = RunParameters(
-        config_path=str(Path(args.config).resolve()),
-        overrides=_parse_overrides(args.set or []),
-        endpoint_block=args.endpoint_block,
+        config_path=str(config_path), overrides=overrides, endpoint_block=args.endpoint_block, dry_run=args.dry_run
     )
     from tasks.generate.progress_display import show_progress
 
+    started = time.monotonic()
     with show_progress(enabled=not args.no_progress):
         stats = pipeline(run)
-    print(json.dumps({k: stats[k] for k in ("run_dir", "wall_s")}, indent=2))
+    if stats.get("dry_run"):
+        print(stats["estimate"]["text"])
+        return ExitCode.OK
+    print_run_summary(stats, time.monotonic() - started, "eagle3-datagen run")
+    _announce_quarantine(Path(stats["run_dir"]))
+    if stats.get("status", {}).get("problems"):
+        print("stages disagree: " + "; ".join(stats["status"]["problems"]), file=sys.stderr)
     if stats.get("stopped") == "budget":
         from tasks.generate.engine import budget_stop_message
 
         spent = stats["generate"]["total"]["run_dir_spent_usd"]
         print(budget_stop_message(spent, stats["config"]["endpoint"]["max_cost_usd"]), file=sys.stderr)
         return EXIT_BUDGET
-    return 0
+    return ExitCode.OK
+
+
+def _preflight(cfg: PipelineConfig, probe: bool) -> None:
+    """Inputs exist, the run directory is writable, the endpoint answers: before anything starts."""
+    from tasks.common.preflight import check_inputs, check_run_dir_writable
+
+    check_inputs(cfg)
+    check_run_dir_writable(cfg.run_dir)
+    if probe:
+        from tasks.generate.health import probe_endpoint
+
+        probe_endpoint(cfg.endpoint)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """No Prefect and no completion request: reads the datasets and the run directory, may read a models listing."""
+    from tasks.common.config import load_config
+    from tasks.estimate.display import estimate_text
+    from tasks.estimate.estimate import estimate_run
+
+    cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
+    from tasks.common.preflight import check_inputs
+
+    check_inputs(cfg)
+    observed = Path(args.observed).resolve() if args.observed else None
+    estimate = estimate_run(cfg, observed_run_dir=observed, price_lookup=not args.no_price_lookup)
+    if args.json:
+        print(json.dumps(estimate.to_dict(), indent=2, default=str))
+    else:
+        print(estimate_text(estimate))
+    low = estimate.cost_usd("low")
+    cap = estimate.max_cost_usd
+    if cap is not None and low is not None and estimate.requests and estimate.spent_usd + low > cap:
+        print(f"error: the low end ${low:.4f} already exceeds endpoint.max_cost_usd=${cap:.4f}", file=sys.stderr)
+        return ExitCode.BUDGET
+    return ExitCode.OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -86,6 +164,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
     from tasks.generate.progress_display import show_progress
 
+    _quiet_prefect_console()
     run_dir = Path(args.run_dir).resolve()
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -101,18 +180,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stats = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides))
     wall_s = time.monotonic() - started
     print_demo_summary(stats, wall_s)
+    _announce_quarantine(run_dir)
     return 0
 
 
 def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
+    print_run_summary(stats, wall_s, "eagle3-datagen demo")
+
+
+def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
+    """What `demo` and `run` print at the end: the validation overview, then finished parts per stage."""
     from rich.console import Console
     from rich.table import Table
 
+    from tasks.common.run_summary import stage_rows
+
     console = Console()
-    console.print(f"\n[bold]eagle3-datagen demo finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
+    console.print(f"\n[bold]{what} finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
     from tasks.validate.report import overview_rows
 
-    overview = overview_rows(stats["validation_summary"])
+    overview = overview_rows(stats.get("validation_summary") or [])  # none after a budget stop
     table = Table(title="validation summary")
     table.add_column("metric")
     for row in overview:
@@ -120,20 +207,39 @@ def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
     for metric in overview[0] if overview else []:
         if metric != "dataset":
             table.add_row(metric, *(str(row[metric]) for row in overview))
-    console.print(table)
+    if overview:
+        console.print(table)
+    stages = Table(title="finished parts per stage")
+    for column in ("stage", "parts", "rows", "bytes"):
+        stages.add_column(column, justify="left" if column == "stage" else "right")
+    for row in stage_rows(Path(stats["run_dir"])):
+        stages.add_row(row["stage"], str(row["parts"]), str(row["rows"]), f"{row['bytes']:,}")
+    console.print(stages)
     prep = stats["prepare"]
     gen = stats["generate"]["total"]
     console.print(
         f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
         f"({prep['quarantine_path']})\n"
         f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
-        f"hidden-state parts {len(stats.get('extract', []))}; report: {stats['run_dir']}/validation/report.html"
+        f"report: {stats['run_dir']}/reports/report.html"
     )
 
 
-EXIT_BUDGET = 3
-EXIT_FATAL_ENDPOINT = 2
-EXIT_ERROR = 1
+EXIT_BUDGET = ExitCode.BUDGET
+EXIT_FATAL_ENDPOINT = ExitCode.ENDPOINT
+EXIT_ERROR = ExitCode.USER
+EXIT_GATE = ExitCode.GATES
+"""More samples failed than `validation.max_failed_rate` allows (generate); the failed ids are in the status file."""
+EXIT_INCONSISTENT = ExitCode.STAGES_DISAGREE
+"""`status`: stages disagree (stale parts, samples missing from a stage); a rerun rebuilds them."""
+
+
+def _announce_quarantine(run_dir: Path) -> None:
+    from tasks.status.report import quarantine_notice
+
+    notice = quarantine_notice(run_dir)
+    if notice:
+        print(notice, file=sys.stderr)
 
 
 def generate_without_prefect(
@@ -144,10 +250,13 @@ def generate_without_prefect(
     from tasks.generate.endpoints import CompletionMarkers
     from tasks.generate.engine import generate_parts
     from tasks.prepare.datasets import prepare_datasets
+    from tasks.prepare.empty_input import require_prompts
     from tasks.reconstruct.completion_format import format_for
     from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
-    parts = prepare_datasets(cfg).parts
+    prepared = prepare_datasets(cfg)
+    require_prompts(prepared.to_dict(), {ds.name: str(ds.path) for ds in cfg.datasets})
+    parts = prepared.parts
     tokenizer = load_tokenizer(cfg.tokenizer)
     markers = CompletionMarkers(*format_for(cfg, tokenizer).markers())
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
@@ -196,35 +305,32 @@ def print_dataset_table(rows: list[dict[str, Any]], title: str = "responses per 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Exit codes: 0 complete (failed samples included), 3 stopped at the budget cap, 2 endpoint refused the
-    run (401/402), 1 any other error. No Prefect, so it can run (and be killed) as a plain process."""
-    from pydantic import ValidationError
-
+    """Exit codes as in the table (`--help`): 0 complete (failed samples included), 3 stopped at the budget cap,
+    4 the endpoint refused the run or is unreachable, 2 a config or input error. No Prefect, so it can run (and be
+    killed) as a plain process."""
     from tasks.common.config import load_config
-    from tasks.common.errors import ConfigError, DatagenError, EndpointUnavailableError, FatalEndpointError
     from tasks.generate.dataset_summary import dataset_rows
     from tasks.generate.engine import budget_stop_message
     from tasks.generate.progress_display import show_progress
 
-    try:
-        cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
-    except (ConfigError, ValidationError) as exc:
-        print(f"error: {_config_error(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    redact = _redactor(cfg)
-    try:
-        with show_progress(enabled=not args.no_progress):
-            summary, parts = generate_without_prefect(cfg)
-    except FatalEndpointError as exc:
-        print(f"error: {redact(exc)}", file=sys.stderr)
-        return EXIT_FATAL_ENDPOINT
-    except (DatagenError, EndpointUnavailableError) as exc:
-        print(f"error: {type(exc).__name__}: {redact(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    print_dataset_table(dataset_rows(cfg.run_dir, parts))
+    cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
+    _SECRETS.append(_redactor(cfg))
+    _preflight(cfg, probe=True)
+    with show_progress(enabled=not args.no_progress):
+        summary, parts = generate_without_prefect(cfg)
+    rows = dataset_rows(cfg.run_dir, parts)
+    print_dataset_table(rows)
     print(json.dumps(summary.total(), default=str), flush=True)
+    _announce_quarantine(cfg.run_dir)
     if summary.stopped != "budget":
-        return 0
+        from tasks.status.report import failed_rate_violations
+
+        crossed = failed_rate_violations(rows, cfg.validation.max_failed_rate)
+        for line in crossed:
+            print(
+                f"error: {line}; rerun to retry them, `eagle3-datagen status {cfg.run_dir}` lists them", file=sys.stderr
+            )
+        return EXIT_GATE if crossed else 0
     print(
         f"{budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd)} In {cfg.run_dir}, e.g.: "
         f"eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
@@ -237,48 +343,183 @@ def cmd_export(args: argparse.Namespace) -> int:
     """No Prefect: an export is a local file conversion of a finished run directory."""
     from tasks.export import export_run
 
-    stats = export_run(Path(args.run_dir).resolve(), args.format, Path(args.out).resolve())
+    stats = export_run(
+        Path(args.run_dir).resolve(),
+        args.format,
+        Path(args.out).resolve(),
+        val_fraction=args.val_fraction,
+        draft_vocab_size=args.draft_vocab_size,
+        target_model=Path(args.target_model).resolve() if args.target_model else None,
+    )
     print(json.dumps(stats, indent=2))
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """No Prefect, no model: reads markers and id columns. Exit 0 when every stage holds what the stage before it
+    finished, EXIT_INCONSISTENT when stages disagree, EXIT_ERROR when RUN_DIR is no run directory."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.status.report import run_status, write_failed_file
+
+    run_dir = Path(args.run_dir).resolve()
+    if not (run_dir / "prompts").is_dir():
+        print(f"error: {run_dir} is not a run directory (no prompts/ stage folder)", file=sys.stderr)
+        return EXIT_ERROR
+    recipes = None
+    extract: dict[str, bool] = {}
+    if args.config:
+        from tasks.common.config import load_config
+        from tasks.reconstruct.completion_format import format_for
+        from tasks.reconstruct.tokenizer_loading import load_tokenizer
+        from tasks.status.plan import recipe_digests
+
+        cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
+        recipes = recipe_digests(cfg, format_for(cfg, load_tokenizer(cfg.tokenizer)))
+        extract = {"extract_enabled": cfg.extract.enabled, "skip_failed_validation": cfg.extract.skip_failed_validation}
+    status = run_status(run_dir, recipes, **extract)
+    rows = status.rows()
+    if args.json:
+        print(json.dumps(status.to_dict(), indent=2, default=str))
+    else:
+        console = Console() if Console().is_terminal else Console(width=200)
+        table = Table(title=f"status of {run_dir}")
+        for column in rows[0] if rows else ["dataset"]:
+            table.add_column(column, justify="left" if column in ("dataset", "stage", "failed_by_reason") else "right")
+        for row in rows:
+            table.add_row(*(str(v) for v in row.values()))
+        console.print(table)
+    failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
+    if status.failed or status.quarantined:
+        print(
+            f"{len(status.failed)} failed samples, {len(status.quarantined)} quarantined rows: listed in {failed_file}",
+            file=sys.stderr,
+        )
+    _announce_quarantine(run_dir)
+    for problem in status.problems:
+        print(f"stages disagree: {problem}", file=sys.stderr)
+    return 0 if status.consistent else EXIT_INCONSISTENT
+
+
+CONFIG_HELP = "pipeline config YAML (see configs/run.yaml; relative paths resolve against the file)"
+SET_HELP = "override one config value by dotted key, e.g. endpoint.max_in_flight=500 (repeatable)"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eagle3-datagen")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3-datagen", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the pipeline flow on a config file")
-    run.add_argument("config")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (dotted key)")
-    run.add_argument("--endpoint-block", help="InferenceEndpointBlock name whose fields and key replace endpoint")
+    parser = argparse.ArgumentParser(
+        prog="eagle3-datagen",
+        description=__doc__,
+        epilog="exit codes (every command):\n" + exit_code_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and Prefect's full log on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="run every stage on your config (prints the estimate first)")
+    run.add_argument("config", help=CONFIG_HELP)
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
+    run.add_argument(
+        "--endpoint-block", help="name of a saved InferenceEndpointBlock whose fields and API key replace endpoint"
+    )
+    run.add_argument("--dry-run", action="store_true", help="prepare and estimate only; send nothing")
     run.add_argument("--no-progress", action="store_true", help="no live generate progress display")
     run.set_defaults(func=cmd_run)
-    demo = sub.add_parser("demo", help="start the local endpoint simulator and run the bundled demo config")
-    demo.add_argument("--run-dir", default="runs/demo")
-    demo.add_argument("--assets-dir", default="runs/_assets")
+    estimate = sub.add_parser("estimate", help="what a run will cost and how long it will take; sends nothing")
+    estimate.add_argument("config", help=CONFIG_HELP)
+    estimate.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
+    estimate.add_argument(
+        "--observed",
+        metavar="RUN_DIR",
+        help="a finished run directory whose completion lengths and latencies to expect (default: the config's "
+        "run_dir when it holds finished samples; otherwise completions are bounded by sampling.max_tokens)",
+    )
+    estimate.add_argument(
+        "--no-price-lookup", action="store_true", help="never read the endpoint's models listing for prices"
+    )
+    estimate.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    estimate.set_defaults(func=cmd_estimate)
+    demo = sub.add_parser("demo", help="try it: a local simulated endpoint and the bundled demo data, all stages")
+    demo.add_argument("--run-dir", default="runs/demo", help="where the demo's run directory goes")
+    demo.add_argument("--assets-dir", default="runs/_assets", help="where the tiny demo model is built once")
     demo.add_argument("--fresh", action="store_true", help="delete the run directory first")
-    demo.add_argument("--noncanonical-rate", type=float, default=0.1)
+    demo.add_argument(
+        "--noncanonical-rate",
+        type=float,
+        default=0.1,
+        help="share of simulated answers whose reference token ids are a non-canonical tokenization (0..1)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no live generate progress display")
     demo.add_argument("--train", action="store_true", help="answers from the tiny target itself, then train + evaluate")
     demo.set_defaults(func=cmd_demo)
-    gen = sub.add_parser("generate", help="prepare + generate only, without Prefect (resumable; exit 3 = budget cap)")
-    gen.add_argument("config")
-    gen.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (dotted key)")
+    gen = sub.add_parser("generate", help="prepare + generate only, without Prefect (resumable)")
+    gen.add_argument("config", help=CONFIG_HELP)
+    gen.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     gen.add_argument("--no-progress", action="store_true", help="no live progress display")
     gen.set_defaults(func=cmd_generate)
     export = sub.add_parser("export", help="write a run's hidden states in a trainer's offline layout")
-    export.add_argument("run_dir")
-    export.add_argument("--format", required=True, choices=["specforge", "speculators"])
+    export.add_argument("run_dir", help="a run directory with finished hidden_states parts")
+    export.add_argument("--format", required=True, choices=["specforge", "speculators"], help="trainer layout")
     export.add_argument("--out", required=True, help="output directory (created; resumable)")
+    export.add_argument("--val-fraction", type=float, default=0.05, help="fraction of prompts held out (by hash)")
+    export.add_argument("--draft-vocab-size", type=int, help="also write d2t/t2d with the trainer's own utility")
+    export.add_argument("--target-model", help="target model directory (default: the one extract recorded)")
     export.set_defaults(func=cmd_export)
+    status = sub.add_parser(
+        "status", help="samples expected/done/failed/stale/missing per dataset and stage (exit 6: stages disagree)"
+    )
+    status.add_argument("run_dir", help="the run directory to inspect")
+    status.add_argument("--config", help="also mark parts built with another config (format, layers...) stale")
+    status.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a --config value")
+    status.add_argument("--failed-out", help="where to write failed + quarantined samples (JSONL)")
+    status.add_argument("--json", action="store_true", help="print the status as JSON instead of a table")
+    status.set_defaults(func=cmd_status)
     from flows.train_cli import add_train_commands
 
     add_train_commands(sub)
+    for command in sub.choices.values():  # every command documents the same exit codes
+        command.epilog = command.epilog or parser.epilog
+        command.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 
+_SECRETS: list[Callable[[object], str]] = []
+"""Redactors of the API keys of configs the running command loaded: an error line never shows a key."""
+
+
+def _redact(text: str) -> str:
+    for redact in _SECRETS:
+        text = redact(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result: int = args.func(args)
-    return result
+    """Every error a user can fix is one line on stderr and a code from flows/exit_codes.py; `--debug` (anywhere
+    on the line) shows the traceback instead."""
+    global DEBUG
+    argv = list(sys.argv[1:] if argv is None else argv)
+    DEBUG = "--debug" in argv
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    try:
+        result: int = args.func(args)
+    except KeyboardInterrupt:
+        print("error: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if DEBUG:
+            raise
+        print(error_line(exc, _redact), file=sys.stderr)
+        return int(exit_code_for(exc))
+    return int(result)
 
 
 if __name__ == "__main__":

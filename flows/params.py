@@ -49,6 +49,11 @@ class RunParameters(BaseModel):
         description="Run extraction as this deployment (e.g. 'eagle3-extract/extract-gpu', on the GPU pool) "
         "and wait for it, instead of in this process.",
     )
+    dry_run: bool = Field(
+        default=False,
+        description="Prepare and estimate only: log what the run would send, cost and take, then stop "
+        "without sending a request.",
+    )
 
     @model_validator(mode="after")
     def _one_config(self) -> RunParameters:

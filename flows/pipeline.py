@@ -2,7 +2,9 @@
 
 Tasks receive the config and part numbers (references), never rows or tensors; each per-part task reads its
 inputs from the run directory and returns small stats, so Prefect bookkeeping grows with shards, not samples.
-Every stage is resumable on its own: a part with a completion marker is skipped.
+Every stage is resumable on its own: a part whose completion marker records the current fingerprints of its
+input parts (and the current recipe) is skipped without a task run; a part built from inputs that changed since
+(a retried responses part, a new completion format) is rebuilt. See `tasks.status.plan`.
 """
 
 from __future__ import annotations
@@ -24,17 +26,32 @@ from flows.retry_policy import retry_transient
 from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ExtractDeploymentError
-from tasks.common.schemas import STAGES
-from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts
+from tasks.common.run_summary import run_summary_markdown
+from tasks.common.schemas import REPORTS_DIR, STAGES
+from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts, read_marker
+from tasks.estimate.display import estimate_text
+from tasks.estimate.estimate import check_budget, estimate_run
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
-from tasks.generate.engine import budget_stop_message, generate_parts
+from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
 from tasks.generate.health import probe_endpoint
 from tasks.prepare.datasets import MANIFEST, prepare_datasets
+from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
+from tasks.status.plan import (
+    generate_todo,
+    hidden_states_todo,
+    recipe_digests,
+    record_report,
+    report_key,
+    reusable_report,
+    tokens_todo,
+    validation_todo,
+)
+from tasks.status.report import run_status, write_failed_file
 from tasks.validate.checks import check_gates, gate_violations, summarize_validation, validate_part
 from tasks.validate.report import artifact_markdown, overview_rows, write_validation_report
 
@@ -57,7 +74,20 @@ def prepare_task(cfg: PipelineConfig) -> dict[str, Any]:
     result = prepare_datasets(cfg)
     if result.quarantined:
         get_run_logger().warning("%d malformed rows quarantined in %s", result.quarantined, result.quarantine_path)
+    require_prompts(result.to_dict(), {ds.name: str(ds.path) for ds in cfg.datasets})
     return result.to_dict()
+
+
+@task(name="estimate", **TASK_OPTIONS)
+def estimate_task(cfg: PipelineConfig) -> dict[str, Any]:
+    """Cost and wall time of what is left to send, printed before the first paid request; a run whose cheapest
+    outcome already crosses endpoint.max_cost_usd is refused here (EstimateOverBudgetError)."""
+    estimate = estimate_run(cfg, load_tokenizer(cfg.tokenizer))
+    text = estimate_text(estimate)
+    get_run_logger().info("estimate before sending anything:\n%s", text)
+    create_markdown_artifact(key="estimate", markdown=f"# Estimate (nothing sent)\n\n```\n{text}\n```")
+    check_budget(estimate)
+    return {**estimate.to_dict(), "text": text}
 
 
 @task(name="check-tokenizer", **TASK_OPTIONS)
@@ -102,7 +132,11 @@ def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
     gates, so a failed gate is explainable from the report and the UI."""
     summary = summarize_validation(cfg)
     violations = gate_violations(summary, cfg.validation)
-    report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
+    key = report_key(cfg.run_dir, cfg.validation.model_dump(mode="json"))
+    report = reusable_report(cfg.run_dir, key)
+    if report is None:
+        report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
+        record_report(cfg.run_dir, key, report)
     create_table_artifact(
         key="validation-summary",
         table=overview_rows(summary),
@@ -162,6 +196,9 @@ def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]
 
 
 def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
+    if not generate_todo(cfg, parts):
+        get_run_logger().info("generate: all %d responses parts complete and current; nothing to send", len(parts))
+        return GenerateSummary().to_dict()
     check_tokenizer_task(cfg)
     stats = generate_task(cfg, parts, len(parts))
     _push(store, cfg, "responses", parts)
@@ -184,12 +221,18 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
 def stage_cpu(
     cfg: PipelineConfig, store: RunStore | None, parts: list[int], run: RunParameters | None = None
 ) -> dict[str, Any]:
-    """reconstruct + validate over parts, on threads in this process or on a local Dask cluster."""
-    if run is not None and run.cpu_task_runner == "dask":
+    """reconstruct + validate over parts, on threads in this process or on a local Dask cluster; no subflow at all
+    when every tokens and validation part is current."""
+    out: dict[str, Any]
+    fmt = _format(cfg)
+    built = _done(cfg, "responses", parts), _done(cfg, "tokens", parts)
+    if not tokens_todo(cfg, fmt, built[0]) and not validation_todo(cfg, fmt, built[1]):
+        out = {"reconstruct": _reused(cfg, "tokens", built[0]), "validate": _reused(cfg, "validation", built[1])}
+    elif run is not None and run.cpu_task_runner == "dask":
         from prefect_dask import DaskTaskRunner
 
         runner: Any = DaskTaskRunner(cluster_kwargs={"n_workers": run.dask_workers, "threads_per_worker": 1})
-        out: dict[str, Any] = cpu_stages_flow.with_options(task_runner=runner)(cfg, parts)
+        out = cpu_stages_flow.with_options(task_runner=runner)(cfg, parts)
     else:
         out = cpu_stages_flow(cfg, parts)
     _push(store, cfg, "tokens", parts)
@@ -197,21 +240,36 @@ def stage_cpu(
     try:
         out["validation_summary"] = validation_report_task(cfg)
     finally:
-        _push_files(store, cfg, "validation")
+        _push_files(store, cfg, REPORTS_DIR)
     return out
+
+
+def _reused(cfg: PipelineConfig, stage: str, parts: list[int]) -> list[dict[str, Any]]:
+    """Marker stats of the parts a stage did not rebuild: O(parts) small reads, no task runs."""
+    return [{**read_marker(PartRef(cfg.run_dir, stage, p))["stats"], "reused": True} for p in parts]
 
 
 @flow(name="eagle3-cpu-stages", log_prints=True)
 def cpu_stages_flow(cfg: PipelineConfig, parts: list[int]) -> dict[str, Any]:
-    reconstructed = reconstruct_task.map(unmapped(cfg), _done(cfg, "responses", parts)).result()
-    validated = validate_task.map(unmapped(cfg), _done(cfg, "tokens", parts)).result()
+    fmt = _format(cfg)
+    ready = _done(cfg, "responses", parts)
+    todo = tokens_todo(cfg, fmt, ready)
+    reconstructed = reconstruct_task.map(unmapped(cfg), todo).result()
+    reconstructed += _reused(cfg, "tokens", [p for p in ready if p not in todo])
+    ready = _done(cfg, "tokens", parts)
+    todo = validation_todo(cfg, fmt, ready)
+    validated = validate_task.map(unmapped(cfg), todo).result()
+    validated += _reused(cfg, "validation", [p for p in ready if p not in todo])
     return {"reconstruct": reconstructed, "validate": validated}
 
 
 def run_extract(cfg: PipelineConfig, parts: list[int], store: RunStore | None = None) -> list[dict[str, Any]]:
-    """One model in one process: parts run one after another so the weights are loaded once."""
-    results = []
-    for part in _done(cfg, "tokens", parts):
+    """One model in one process: parts run one after another so the weights are loaded once, and not at all when
+    every hidden-states part is current."""
+    ready = _done(cfg, "tokens", parts)
+    todo = hidden_states_todo(cfg, ready)
+    results = _reused(cfg, "hidden_states", [p for p in ready if p not in todo])
+    for part in todo:
         results.append(extract_task(cfg, part))
         _push(store, cfg, "hidden_states", [part])
     return results
@@ -236,6 +294,11 @@ def run_pipeline(
     stats["prepare"] = prepare = stage_prepare(cfg, store)
     parts: list[int] = prepare["parts"]
     stats["completion_format"] = cfg.tokenizer.completion_format
+    stats["estimate"] = estimate_task(cfg)
+    if run is not None and run.dry_run:
+        stats["dry_run"] = True
+        stats["wall_s"] = round(time.monotonic() - started, 3)
+        return stats
     stats["generate"] = stage_generate(cfg, store, parts)
     if _budget_stopped(stats["generate"]):
         stats["stopped"] = "budget"
@@ -245,6 +308,9 @@ def run_pipeline(
             stats["extract"] = extract_on_deployment(run)
         elif cfg.extract.enabled:
             stats["extract"] = run_extract(cfg, parts, store)
+    if store is not None and run is not None and run.extract_deployment:
+        _pull(store, "hidden_states")
+    stats["status"] = publish_status(cfg, extracted_here=not (run is not None and run.extract_deployment))
     stats["wall_s"] = round(time.monotonic() - started, 3)
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
     if store is not None:
@@ -253,20 +319,35 @@ def run_pipeline(
     return stats
 
 
+def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str, Any]:
+    """The `status` view of the run directory as artifacts (markdown + table) and the failed-samples file; logs
+    a warning naming the disagreement when stages do not hold what the stage before them finished. Hidden-state
+    parts extracted on the GPU pool are checked against their inputs only: that host's model path and backend
+    block are not this host's to judge."""
+    recipes = recipe_digests(cfg, _format(cfg))
+    if not extracted_here:
+        recipes.pop("hidden_states")
+    status = run_status(cfg.run_dir, recipes, cfg.extract.enabled, cfg.extract.skip_failed_validation)
+    failed_file = write_failed_file(status)
+    create_markdown_artifact(key="run-status", markdown=status.markdown())
+    create_table_artifact(
+        key="run-status-table",
+        table=status.rows(),
+        description=f"Samples per dataset and stage in {cfg.run_dir}; failed and quarantined ids in {failed_file}",
+    )
+    if status.quarantined:
+        get_run_logger().warning(
+            "%d input rows quarantined (%s)", len(status.quarantined), cfg.run_dir / "prompts" / "quarantine.jsonl"
+        )
+    if not status.consistent:
+        get_run_logger().warning("stages disagree: %s", "; ".join(status.problems))
+    return {**status.to_dict(), "failed_file": str(failed_file)}
+
+
 def _markdown_summary(stats: dict[str, Any]) -> str:
-    prep = stats["prepare"]
-    gen = stats["generate"]
-    lines = [
-        f"# eagle3-datagen run `{stats['run_dir']}`",
-        f"- wall time: {stats['wall_s']} s",
-        f"- prompts: {sum(d['kept'] for d in prep['datasets'].values())} kept, {prep['quarantined']} quarantined",
-        f"- generate: {json.dumps(gen.get('total', gen), default=str)}",
-        f"- tokens parts: {len(stats.get('reconstruct', []))}, validation parts: {len(stats.get('validate', []))}, "
-        f"extract parts: {len(stats.get('extract', []))}",
-    ]
-    if stats.get("stopped") == "budget":
-        lines.append("- **stopped at the cost cap** after generate; later stages did not run. Rerun to continue.")
-    return "\n".join(lines)
+    """Per-stage counts from the run directory's completion markers (what is really there, whichever worker or
+    deployment wrote it), the generate totals as a table, and the budget stop if any."""
+    return run_summary_markdown(stats)
 
 
 def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
@@ -280,6 +361,9 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
         if quarantine.exists():
             lines.append(f"- quarantined rows: {sum(1 for _ in quarantine.open())}")
         lines.append("Rerunning the same parameters resumes from these parts.")
+        status = run_status(cfg.run_dir, None, cfg.extract.enabled, cfg.extract.skip_failed_validation)
+        lines += ["", status.markdown().replace("# status of", "## status of", 1)]
+        lines.append(f"Failed and quarantined samples: `{write_failed_file(status)}`")
     except Exception as exc:  # the hook must report, never raise: the run has already failed
         lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
     Artifact(type="markdown", key="failure-summary", data="\n".join(lines), flow_run_id=flow_run.id).create()
@@ -324,4 +408,16 @@ def extract_flow(run: RunParameters) -> list[dict[str, Any]]:
     resolved = resolve_run(run)
     _pull(resolved.store, "tokens", "validation", "hidden_states")
     parts = [p for p in _parts(resolved.cfg, "tokens") if in_slice(p, run.part_slice)]
-    return run_extract(resolved.cfg, parts, resolved.store)
+    results = run_extract(resolved.cfg, parts, resolved.store)
+    done = _done(resolved.cfg, "tokens", parts)
+    rows = [{"part": p, **{k: r.get(k) for k in EXTRACT_COLUMNS}} for p, r in zip(done, results, strict=True)]
+    create_table_artifact(
+        key="extract-summary",
+        table=rows or [{"part": None, **dict.fromkeys(EXTRACT_COLUMNS)}],
+        description=f"Hidden-state parts written by this run in {resolved.cfg.run_dir}"
+        + (f" (slice {run.part_slice})" if run.part_slice else ""),
+    )
+    return results
+
+
+EXTRACT_COLUMNS = ("samples", "skipped_failed_validation", "tokens", "bytes", "shards", "padding_waste_frac")

@@ -39,7 +39,7 @@ def add_train_commands(sub: Any) -> None:
     train.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training (= K evaluated)")
     train.add_argument("--total-seq-len", type=int, default=2048, help="tokens per packed batch")
     train.add_argument("--draft-vocab-size", type=int, default=32000, help="0 = the target's full vocabulary")
-    train.add_argument("--train-data-ratio", type=float, default=0.9)
+    train.add_argument("--val-fraction", type=float, default=0.05, help="share of prompts held out (by hash)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-evaluate", action="store_true", help="skip the acceptance evaluation afterwards")
     train.add_argument("--no-prefect", action="store_true", help="plain calls, no Prefect flow or artifacts")
@@ -94,7 +94,7 @@ def train_options(args: argparse.Namespace) -> Any:
         ttt_steps=args.ttt_steps,
         total_seq_len=args.total_seq_len,
         draft_vocab_size=args.draft_vocab_size or None,
-        train_data_ratio=args.train_data_ratio,
+        val_fraction=args.val_fraction,
         seed=args.seed,
         verifier_path=args.verifier,
     )

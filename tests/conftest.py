@@ -26,6 +26,7 @@ from endpoint_sim.responder import Responder, SimConfig  # noqa: E402
 from endpoint_sim.server import SimulatorServer  # noqa: E402
 from tasks.common.config import TokenizerConfig  # noqa: E402
 from tasks.reconstruct.tokenizer_loading import load_tokenizer  # noqa: E402
+from tests.prefect_cluster import deployed_cluster  # noqa: E402, F401  (one loopback cluster per session)
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "flows" / "data"

@@ -116,12 +116,12 @@ def test_budget_cap_exits_3_and_a_higher_cap_continues_without_resending(
     assert second["requests_sent"] == SAMPLES - first["done"]
 
 
-def test_a_refused_key_exits_2_with_the_message_and_no_traceback(
+def test_a_refused_key_exits_4_with_the_message_and_no_traceback(
     tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
 ) -> None:
     wrong = "sk-wrong-9d2e4b-also-secret"
     config = write_config(tmp_path, sim, tokenizer_dir, api_key=wrong)
     refused = generate(config, "--no-progress")
-    assert refused.returncode == 2
+    assert refused.returncode == 4  # flows/exit_codes.py: endpoint refused the run
     assert "401" in refused.stderr and "Traceback" not in refused.stderr
     assert wrong not in refused.stdout + refused.stderr

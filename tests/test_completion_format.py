@@ -84,10 +84,17 @@ def test_preset_layouts_are_the_models_literal_output() -> None:
 def test_markers_and_special_tokens() -> None:
     ds = PRESETS["deepseek_v31_thinking"]
     assert ds.markers() == ("</think>", EOS)
-    assert ds.special_tokens() == ("<think>", "</think>", EOS)
+    assert ds.special_tokens() == ("<think>", "</think>", EOS, "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")
     assert PRESETS["kimi_k2_instruct"].markers() == ("", "<|im_end|>")
-    assert PRESETS["kimi_k2_instruct"].special_tokens() == ("<|im_end|>",)
-    assert PRESETS["kimi_k2_thinking"].pinned() == {"<|im_end|>": 163586}
+    assert PRESETS["kimi_k2_instruct"].special_tokens()[0] == "<|im_end|>"
+    assert set(PRESETS["kimi_k2_instruct"].special_tokens()) == set(PRESETS["kimi_k2_instruct"].pinned())
+    assert PRESETS["kimi_k2_thinking"].pinned() == {
+        "<|im_end|>": 163586,
+        "<|tool_calls_section_begin|>": 163595,
+        "<|tool_call_begin|>": 163597,
+        "<think>": 163606,
+        "</think>": 163607,
+    }
 
 
 def test_qwen3_whitespace_is_normalised_like_its_template() -> None:
@@ -131,9 +138,14 @@ def test_inconsistent_format_is_refused() -> None:
 
 
 def test_demo_template_derives_the_deepseek_preset(tokenizer: PreTrainedTokenizerBase) -> None:
-    assert derive_format(tokenizer) is PRESETS["deepseek_v31_thinking"]
-    assert resolve_format("auto", tokenizer) is PRESETS["deepseek_v31_thinking"]
-    assert resolve_format("deepseek_v31_thinking", tokenizer) is PRESETS["deepseek_v31_thinking"]
+    """The demo's DeepSeek-V4 tokenizer under a V3.1 template: the V4 preset (V4's ids); the V3.1 preset, whose
+    `<think>` is 128798, is refused although the layout is the same."""
+    assert derive_format(tokenizer) is PRESETS["deepseek_v4_thinking"]
+    assert resolve_format("auto", tokenizer) is PRESETS["deepseek_v4_thinking"]
+    assert resolve_format("deepseek_v4_thinking", tokenizer) is PRESETS["deepseek_v4_thinking"]
+    with pytest.raises(ConfigError, match="pinned_ids") as err:
+        resolve_format("deepseek_v31_thinking", tokenizer)
+    assert "128798" in str(err.value) and "128821" in str(err.value)
 
 
 def test_qwen3_form_template_derives_qwen3_layout(qwen3_form_tokenizer: PreTrainedTokenizerBase) -> None:
@@ -218,7 +230,13 @@ def test_qwen3_template_derives_the_qwen3_preset(qwen3_tokenizer: PreTrainedToke
     assert derive_format(qwen3_tokenizer) is PRESETS["qwen3_thinking"]
     fmt = resolve_format("qwen3_thinking", qwen3_tokenizer)
     rows = verify_special_tokens(qwen3_tokenizer, fmt)
-    assert {r.string: r.expected_id for r in rows} == {"<think>": 151667, "</think>": 151668, "<|im_end|>": 151645}
+    assert {r.string: r.expected_id for r in rows} == {
+        "<think>": 151667,
+        "</think>": 151668,
+        "<|im_end|>": 151645,
+        "<tool_call>": 151657,
+        "</tool_call>": 151658,
+    }
     with pytest.raises(ConfigError, match="kimi_k2_thinking"):
         resolve_format("kimi_k2_thinking", qwen3_tokenizer)
 

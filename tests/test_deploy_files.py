@@ -15,6 +15,8 @@ import jsonschema
 import yaml
 from prefect.cli.deploy._models import PrefectYamlModel
 
+from tasks.common.config import load_config
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -46,6 +48,19 @@ def test_prefect_yaml_parses_with_prefects_model_and_parameters_match_the_flows(
     }
     nightly = next(d for d in spec.deployments if d.name == "nightly-rerun")
     assert nightly.schedules and nightly.schedules[0].model_dump(exclude_none=True)["cron"] == "0 2 * * *"
+    assert all(s.model_dump()["active"] is False for s in nightly.schedules), "schedules ship paused"
+    for deployment in spec.deployments:  # what the Run button runs must be in the repository and load
+        config_path = REPO / deployment.parameters["run"]["config_path"]
+        assert config_path.is_file(), f"{deployment.name}: {config_path} is not in the repository"
+        load_config(config_path)
+
+
+def test_the_s3_extra_and_the_moto_test_server_are_declared() -> None:
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("s3fs") for dep in extras["s3"])
+    assert any(dep.startswith("moto[server]") for dep in extras["dev"])
 
 
 def test_automations_parse_with_prefects_model() -> None:

@@ -18,14 +18,17 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from flows.cli import main
 from tasks.common.errors import CaptureMismatchError
-from tasks.common.schemas import TOKENS
+from tasks.common.schemas import PROMPTS, TOKENS
 from tasks.common.shards import PartRef, read_part, write_part
 from tasks.export import ExportError, export_run
 from tasks.export.progress import MANIFEST
+from tasks.export.split import in_validation
 from tasks.extract.hf_backend import HFHiddenStateRunner
 from tasks.extract.stage import extract_part
 from tasks.extract.storage import HIDDEN_DIR, load_hidden_states
@@ -67,8 +70,21 @@ def stored(run_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def manifest_order(out_dir: Path) -> list[str]:
+    """Sample ids by export index (training samples first, then the held-out ones)."""
     manifest = json.loads((out_dir / MANIFEST).read_text())
-    return [sid for part in manifest["parts"] for sid in part["sample_ids"]]
+    by_index = {
+        i: sid for part in manifest["parts"] for i, sid in zip(part["indices"], part["sample_ids"], strict=True)
+    }
+    assert sorted(by_index) == list(range(len(by_index)))
+    return [by_index[i] for i in range(len(by_index))]
+
+
+def post_norm(model_dir: Path, final: torch.Tensor) -> torch.Tensor:
+    """The target's own final norm over a stored pre-norm state: what SpecForge's export must hold."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=final.dtype, local_files_only=True)
+    with torch.no_grad():
+        out: torch.Tensor = model.get_decoder().norm(final)
+    return out
 
 
 def specforge_files(path: Path) -> list[str]:
@@ -121,14 +137,15 @@ def speculators_item(path: Path, index: int, row: dict[str, Any]) -> dict[str, t
     }
 
 
-def test_specforge_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
-    stats = export_run(run_dir, "specforge", tmp_path / "sf")
+def test_specforge_export_reads_back(run_dir: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    stats = export_run(run_dir, "specforge", tmp_path / "sf", val_fraction=0.3)
     reference = stored(run_dir)
     order = manifest_order(tmp_path / "sf")
     assert stats["samples"] == len(order) == len(reference) == sum(len(v) for v in PART_LENGTHS.values())
-    files = specforge_files(tmp_path / "sf")
-    assert len(files) == len(order)
-    for path in files:
+    train, held_out = specforge_files(tmp_path / "sf" / "train"), specforge_files(tmp_path / "sf" / "eval")
+    assert len(train) + len(held_out) == len(order) and stats["validation_samples"] == len(held_out) > 0
+    assert {int(Path(p).stem.split("_")[1]) for p in held_out} == set(range(len(train), len(order)))
+    for path in train + held_out:
         index = int(Path(path).stem.split("_")[1])
         expected = reference[order[index]]
         item = specforge_item(path, max_len=2048)
@@ -140,7 +157,7 @@ def test_specforge_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
             192,
         )
         assert torch.equal(item["hidden_state"][0], expected["aux"])
-        assert torch.equal(item["target"][0], expected["final"])
+        assert torch.equal(item["target"][0], post_norm(tiny_model_dir, expected["final"]))
         raw = torch.load(path, weights_only=True)
         assert raw["input_ids"].dtype == raw["loss_mask"].dtype == torch.int64
         assert raw["input_ids"].ndim == 1 and raw["aux_hidden_state"].shape[0] == 1
@@ -148,7 +165,7 @@ def test_specforge_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
 
 def test_speculators_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "spec"
-    export_run(run_dir, "speculators", out)
+    export_run(run_dir, "speculators", out, val_fraction=0.3)
     reference = stored(run_dir)
     order = manifest_order(out)
     rows = speculators_rows(out)
@@ -160,7 +177,62 @@ def test_speculators_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
         assert item["hidden_states"].dtype == torch.bfloat16
         assert torch.equal(item["hidden_states"], expected["aux"])
         assert torch.equal(item["verifier_last_hidden_states"], expected["final"])
-    assert sorted(p.name for p in out.glob("data-*.arrow")) == [f"data-0000{k}-of-00003.arrow" for k in range(3)]
+    assert sorted(p.name for p in out.glob("data-*.arrow")) == [f"data-0000{k}-of-00006.arrow" for k in range(6)]
+    manifest = json.loads((out / MANIFEST).read_text())
+    n_train = len(rows) - manifest["validation"]["samples"]
+    assert 0 < n_train < len(rows) and int(len(rows) * manifest["trainer"]["train_data_ratio"]) == n_train
+    assert manifest["trainer"]["target_layer_ids"] == [2, 4, 5] and manifest["trainer"]["verifier_final_layer_id"] == 8
+    assert manifest["final_state"] == "pre_norm"
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    expected_freq: dict[int, int] = {}
+    for sid in order[:n_train]:
+        for token, keep in zip(reference[sid]["ids"], reference[sid]["mask"], strict=True):
+            if keep:
+                expected_freq[token] = expected_freq.get(token, 0) + 1
+    assert freq == expected_freq
+
+
+def test_specforge_sample_files_hold_only_their_own_bytes(run_dir: Path, tmp_path: Path) -> None:
+    """A slice of a shard saved as is drags the shard's whole storage into the file (the 16x of issue 13)."""
+    export_run(run_dir, "specforge", tmp_path / "sf")
+    for path in specforge_files(tmp_path / "sf"):
+        record = torch.load(path, weights_only=True)
+        data = sum(t.numel() * t.element_size() for t in record.values())
+        assert Path(path).stat().st_size <= data + 4096, (path, data)
+        for tensor in record.values():
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def test_validation_split_is_by_prompt(run_dir: Path, tmp_path: Path) -> None:
+    """Samples sharing a prompt (from the prompts parts) land on the same side; the split does not depend on
+    part order or on which export format is written."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    sample_ids_all = [sid for part in PART_LENGTHS for sid in (r["sample_id"] for r in index_rows(run, part))]
+    prompt_of = {sid: f"prompt-{n % 3}" for n, sid in enumerate(sample_ids_all)}
+    rows = [
+        {
+            "sample_id": sid,
+            "dataset": "demo",
+            "source_file": "x.jsonl",
+            "source_row": n,
+            "messages": [{"role": "user", "content": "hi"}],
+            "prompt_id": prompt_of[sid],
+            "sample_index": 0,
+        }
+        for n, sid in enumerate(sample_ids_all)
+    ]
+    write_part(PartRef(run, "prompts", 0), pa.Table.from_pylist(rows, schema=PROMPTS), {"test": True})
+    sides: dict[str, set[bool]] = {}
+    for fmt in ("speculators", "specforge"):
+        export_run(run, fmt, tmp_path / fmt, val_fraction=0.5, split_seed=3)
+        manifest = json.loads((tmp_path / fmt / MANIFEST).read_text())
+        assert manifest["validation"]["samples_grouped_by_own_id"] == 0
+        for part in manifest["parts"]:
+            for sid, held in zip(part["sample_ids"], part["validation"], strict=True):
+                sides.setdefault(prompt_of[sid], set()).add(held)
+                assert held == in_validation(prompt_of[sid], 0.5, 3)
+    assert all(len(s) == 1 for s in sides.values()) and {True, False} == {next(iter(s)) for s in sides.values()}
 
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
@@ -171,10 +243,14 @@ def test_export_resumes_per_part_and_removes_stale_files(run_dir: Path, tmp_path
     again = export_run(run_dir, fmt, out)
     assert (again["parts_skipped"], again["bytes_written"]) == (3, 0)
     (out / "_eagle3_export" / "part-00001.json").unlink()
-    stale = out / ("rows_0-2000/data_999.ckpt" if fmt == "specforge" else "hidden_states/hs_999.safetensors")
+    stale = out / ("train/rows_0-2000/data_999.ckpt" if fmt == "specforge" else "hidden_states/hs_999.safetensors")
     stale.write_bytes(b"left by a bigger export")
+    if fmt == "specforge":  # an export from before the train/eval split
+        (out / "rows_0-2000").mkdir()
+        (out / "rows_0-2000" / "data_0.ckpt").write_bytes(b"unsplit layout")
     third = export_run(run_dir, fmt, out)
-    assert third["parts_skipped"] == 2 and third["bytes_written"] > 0 and third["stale_files_removed"] == 1
+    assert third["parts_skipped"] == 2 and third["bytes_written"] > 0
+    assert third["stale_files_removed"] == (2 if fmt == "specforge" else 1)
     assert not stale.exists() and (out / MANIFEST).exists()
 
 
@@ -216,8 +292,10 @@ def test_corrupted_states_are_refused_naming_the_sample(run_dir: Path, tmp_path:
     row = index_rows(copy, 0)[2]
     shard = copy / HIDDEN_DIR / row["shard"]
     tensors = load_file(shard)
+    with safe_open(str(shard), framework="pt") as fh:
+        metadata = fh.metadata()
     tensors["hidden_states"][row["offset"] + 1, 3] = float("nan")
-    save_file(tensors, shard)
+    save_file(tensors, shard, metadata=metadata)
     with pytest.raises(CaptureMismatchError, match="NaN/Inf") as err:
         export_run(copy, "specforge", tmp_path / "out")
     assert err.value.sample_id == row["sample_id"]
@@ -242,3 +320,17 @@ def test_cli_export(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     stats = json.loads(capsys.readouterr().out)
     assert stats["format"] == "speculators" and stats["samples"] == 7
     assert (tmp_path / "cli" / "state.json").exists()
+
+
+@pytest.mark.parametrize(("fmt", "package"), [("speculators", "speculators"), ("specforge", "specforge")])
+def test_draft_vocabulary_needs_the_trainers_own_utility(run_dir: Path, tmp_path: Path, fmt: str, package: str) -> None:
+    """Without the trainer installed, a draft vocabulary is refused with what to do instead (the meaning tests
+    cover the files written where it is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    with pytest.raises(ExportError, match=f"{package} is not installed here"):
+        export_run(run_dir, fmt, tmp_path / fmt, draft_vocab_size=64)
+    with pytest.raises(ExportError, match="validation fraction"):
+        export_run(run_dir, fmt, tmp_path / "x", val_fraction=1.0)

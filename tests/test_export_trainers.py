@@ -8,11 +8,14 @@ specforge pins sglang and torch exactly, so both live in their own venv under th
 `specforge==0.2.0 --no-deps` (its offline reader needs none of its pinned dependencies), and torchvision /
 torchaudio removed again (pip resolves builds for another torch, which break `import transformers`).
 A script in that venv reads both exports and saves what the readers return; this process compares it with
-the run's stored states.
+the run's stored states. `EAGLE3_TRAINER_PYTHON` names an interpreter that already has both (e.g.
+`/work/venv-spec/bin/python`); one running this test that imports both is used as is. What the readers' states
+*mean* (each trainer's target computation against the model's logits) is `tests/test_export_meaning.py`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,7 +27,8 @@ import pytest
 import torch
 
 from tasks.export import export_run
-from tests.test_export import PART_LENGTHS, build_run, manifest_order, stored
+from tasks.export.progress import MANIFEST
+from tests.test_export import PART_LENGTHS, build_run, manifest_order, post_norm, stored
 
 pytestmark = pytest.mark.slow
 
@@ -42,21 +46,32 @@ READER_SCRIPT = textwrap.dedent(
     from specforge.data.preprocessing import build_offline_eagle3_dataset
 
     speculators_dir, specforge_dir, out = sys.argv[1:4]
-    ds = ArrowDataset(4096, speculators_dir, on_missing="raise")
-    spec_items = []
-    for i in range(len(ds)):
-        item = ds[i]
-        if isinstance(item, SampleUnavailable):
-            raise SystemExit(f"speculators marked sample {i} unavailable: {item}")
-        spec_items.append(item)
-    sf = build_offline_eagle3_dataset(specforge_dir, max_len=4096)
-    sf_items = [(sf.datapaths[i], sf[i]) for i in range(len(sf))]
-    torch.save({"speculators": spec_items, "approx_lengths": ds.approx_lengths, "specforge": sf_items}, out)
+    manifest = json.load(open(speculators_dir + "/eagle3_export.json"))
+    ratio = manifest["trainer"]["train_data_ratio"]
+    spec_items, approx = [], []
+    for split in ("train", "val"):
+        ds = ArrowDataset(4096, speculators_dir, on_missing="raise", train_ratio=ratio, split=split)
+        approx += ds.approx_lengths
+        for i in range(len(ds)):
+            item = ds[i]
+            if isinstance(item, SampleUnavailable):
+                raise SystemExit(f"speculators marked {split} sample {i} unavailable: {item}")
+            spec_items.append(item)
+    sf_items = []
+    for split in ("train", "eval"):
+        sf = build_offline_eagle3_dataset(specforge_dir + "/" + split, max_len=4096)
+        sf_items += [(sf.datapaths[i], sf[i]) for i in range(len(sf))]
+    torch.save({"speculators": spec_items, "approx_lengths": approx, "specforge": sf_items}, out)
     """
 )
 
 
 def trainer_python() -> Path:
+    override = os.environ.get("EAGLE3_TRAINER_PYTHON")
+    if override:
+        return Path(override)
+    if importlib.util.find_spec("speculators") and importlib.util.find_spec("specforge"):
+        return Path(sys.executable)
     venv = CACHE / "trainer-readers-venv"
     stamp = venv / "eagle3-stamp.json"
     wanted = json.dumps([TRAINER_PINS, NO_DEPS_PINS, REMOVE])
@@ -75,8 +90,9 @@ def trainer_python() -> Path:
 def test_trainers_read_our_exports(tmp_path: Path, tiny_model_dir: Path) -> None:
     run = tmp_path / "run"
     build_run(run, tiny_model_dir)
-    export_run(run, "speculators", tmp_path / "speculators")
-    export_run(run, "specforge", tmp_path / "specforge")
+    for fmt in ("speculators", "specforge"):
+        stats = export_run(run, fmt, tmp_path / fmt, val_fraction=0.3)
+        assert 0 < stats["validation_samples"] < stats["samples"]
     script = tmp_path / "read.py"
     script.write_text(READER_SCRIPT)
     result_path = tmp_path / "read.pt"
@@ -106,10 +122,12 @@ def test_trainers_read_our_exports(tmp_path: Path, tiny_model_dir: Path) -> None
         assert item["position_ids"].tolist() == list(range(len(expected["ids"])))
 
     order = manifest_order(tmp_path / "specforge")
+    n_train = n - json.loads((tmp_path / "specforge" / MANIFEST).read_text())["validation"]["samples"]
     assert len(result["specforge"]) == n
     for path, item in result["specforge"]:
         expected = reference[order[int(Path(path).stem.split("_")[1])]]
         assert item["input_ids"][0].tolist() == expected["ids"]
         assert item["loss_mask"][0].tolist() == [*expected["mask"][:-1], 0]
         assert torch.equal(item["hidden_state"][0], expected["aux"])
-        assert torch.equal(item["target"][0], expected["final"])
+        assert torch.equal(item["target"][0], post_norm(tiny_model_dir, expected["final"]))
+        assert ("/eval/" in path) == (int(Path(path).stem.split("_")[1]) >= n_train)

@@ -6,6 +6,7 @@ Also the helpers other extract/export test modules import (config, tokens parts,
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -14,11 +15,12 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tasks.common.config import DatasetConfig, EndpointConfig, ExtractConfig, PipelineConfig, TokenizerConfig
-from tasks.common.errors import CaptureMismatchError, ConfigError, InsufficientSpaceError
+from tasks.common.errors import CaptureMismatchError, ConfigError, InsufficientSpaceError, SchemaMismatchError
 from tasks.common.schemas import TOKENS, VALIDATION
 from tasks.common.shards import PartRef, read_part, read_provenance, write_part
 from tasks.extract.capture import CapturedBatch
@@ -26,7 +28,15 @@ from tasks.extract.capture import plan_padded_batches as plan_batches
 from tasks.extract.hf_backend import HFHiddenStateRunner
 from tasks.extract.layers import LayerSelectionError, default_aux_layers, validate_layers
 from tasks.extract.stage import extract_part, make_runner
-from tasks.extract.storage import DATA_DIR, FINAL_KEY, HIDDEN_DIR, estimate_bytes, load_hidden_states
+from tasks.extract.storage import (
+    DATA_DIR,
+    FINAL_KEY,
+    FINAL_STATE,
+    FINAL_STATE_META,
+    HIDDEN_DIR,
+    estimate_bytes,
+    load_hidden_states,
+)
 
 H = 64
 LAYERS = [1, 3, 4]
@@ -93,13 +103,27 @@ def index_rows(run_dir: Path, part: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+def pre_norm_forward(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(`output_hidden_states`, final pre-norm state) of one plain forward pass. transformers 5 puts the post-norm
+    state at `hidden_states[-1]`, so the pre-norm one is taken from the last decoder layer's raw output."""
+    raw: list[torch.Tensor] = []
+    handle = model.get_decoder().layers[-1].register_forward_hook(lambda _m, _a, out: raw.append(out))
+    try:
+        with torch.no_grad():
+            hs = model(input_ids, output_hidden_states=True).hidden_states
+    finally:
+        handle.remove()
+    out = raw[0]
+    return hs, out[0] if isinstance(out, tuple) else out
+
+
 def direct_states(
     model: PreTrainedModel, ids: list[int], layers: Sequence[int] = LAYERS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's inputs computed the plain way: one unpadded sample, all hidden states requested."""
-    with torch.no_grad():
-        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    return torch.cat([hs[k + 1][0] for k in layers], dim=-1), hs[-1][0]
+    """The drafter's inputs computed the plain way: one unpadded sample, all hidden states requested; the final
+    state is the input of the final norm (`storage.FINAL_STATE`)."""
+    hs, pre_norm = pre_norm_forward(model, torch.tensor([ids]))
+    return torch.cat([hs[k + 1][0] for k in layers], dim=-1), pre_norm[0]
 
 
 def data_files(run_dir: Path) -> list[str]:
@@ -201,6 +225,55 @@ def test_hf_hidden_states_convention(reference_f32: PreTrainedModel) -> None:
     with torch.no_grad():
         assert torch.equal(hs[-1], decoder.norm(raw[7]))
     assert not torch.allclose(hs[-1], raw[7])
+    _, pre_norm = pre_norm_forward(reference_f32, torch.tensor([[5, 900, 7000, 42]]))
+    assert torch.equal(pre_norm, raw[7])
+
+
+def test_final_state_is_the_norm_input_and_marked_so(
+    tmp_path: Path, tiny_model_dir: Path, runner_f32: HFHiddenStateRunner, reference_f32: PreTrainedModel
+) -> None:
+    """The stored final state is the final norm's input: the model's own norm and lm_head over it give the model's
+    logits; every shard and the index provenance say so."""
+    samples = sample_ids([13, 6], seed=30)
+    write_tokens(tmp_path, samples)
+    stats = extract_part(make_cfg(tmp_path, tiny_model_dir, dtype="float32"), 0, runner_f32)
+    assert stats[FINAL_STATE_META] == FINAL_STATE == "pre_norm"
+    assert read_provenance(PartRef(tmp_path, HIDDEN_DIR, 0).path)["extract_final_state"] == "pre_norm"
+    for row in index_rows(tmp_path):
+        with safe_open(str(tmp_path / HIDDEN_DIR / row["shard"]), framework="pt") as fh:
+            assert (fh.metadata() or {})[FINAL_STATE_META] == "pre_norm"
+        _, _, final = load_hidden_states(tmp_path, row)
+        assert final is not None
+        with torch.no_grad():
+            logits = reference_f32(torch.tensor([samples[row["sample_id"]]])).logits[0]
+            ours = reference_f32.lm_head(reference_f32.get_decoder().norm(final))
+        torch.testing.assert_close(ours, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_parts_with_the_old_post_norm_meaning_are_refused_and_redone(
+    tmp_path: Path, tiny_model_dir: Path, runner_f32: HFHiddenStateRunner, reference_f32: PreTrainedModel
+) -> None:
+    """A run extracted before the meaning was recorded (post-norm final state, no `final_state` in shard headers
+    or marker) is refused by the reader, and extract redoes the part instead of skipping it."""
+    samples = sample_ids([9, 4], seed=31)
+    write_tokens(tmp_path, samples)
+    cfg = make_cfg(tmp_path, tiny_model_dir, dtype="float32")
+    extract_part(cfg, 0, runner_f32)
+    ref = PartRef(tmp_path, HIDDEN_DIR, 0)
+    for name in data_files(tmp_path):
+        path = tmp_path / HIDDEN_DIR / DATA_DIR / name
+        with safe_open(str(path), framework="pt") as fh:
+            meta = {k: v for k, v in (fh.metadata() or {}).items() if k != FINAL_STATE_META}
+        save_file(load_file(path), path, metadata=meta)
+    marker = json.loads(ref.marker.read_text())
+    del marker["stats"][FINAL_STATE_META]
+    ref.marker.write_text(json.dumps(marker))
+    with pytest.raises(SchemaMismatchError, match="final hidden state is post_norm"):
+        load_hidden_states(tmp_path, index_rows(tmp_path)[0])
+    passes = runner_f32.forward_passes
+    stats = extract_part(cfg, 0, runner_f32)
+    assert runner_f32.forward_passes > passes and stats[FINAL_STATE_META] == "pre_norm"
+    assert_stored_equal_direct(tmp_path, reference_f32, samples, tol=1e-5)
 
 
 def test_float32_unbatched_is_bit_exact(
@@ -229,6 +302,7 @@ def test_float32_unbatched_is_bit_exact(
     assert prov["model"] == "tiny" and prov["extract_layers"] == LAYERS
     assert prov["extract_dtype"] == "float32" and prov["extract_backend"] == "hf"
     assert prov["extract_model_path"] == str(tiny_model_dir) and prov["extract_store_final_state"] is True
+    assert prov["extract_final_state"] == "pre_norm"
 
 
 def test_float32_padded_batches_match(
@@ -613,11 +687,10 @@ def test_cuda_bfloat16_matches_unbatched_cuda_forward(tmp_path: Path, tiny_model
     for row in index_rows(tmp_path):
         ids = samples[row["sample_id"]]
         _, aux, final = load_hidden_states(tmp_path, row)
-        with torch.no_grad():
-            hs = reference(torch.tensor([ids], device="cuda"), output_hidden_states=True).hidden_states
+        hs, pre_norm = pre_norm_forward(reference, torch.tensor([ids], device="cuda"))
         exp_aux = torch.cat([hs[k + 1][0] for k in LAYERS], dim=-1).cpu()
         torch.testing.assert_close(aux, exp_aux, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(final, hs[-1][0].cpu(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(final, pre_norm[0].cpu(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

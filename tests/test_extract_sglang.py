@@ -4,7 +4,8 @@
 The fake model follows what SGLang does (read from its 0.5.23 source, `models/llama.py`,
 `layers/logits_processor.py`): `set_eagle3_layers_to_capture(ids)` stores `ids + 1` in `layers_to_capture`; a
 layer in that list records the residual stream *entering* it (= HF `output_hidden_states[i]`); the packed aux
-states are [T_total, 3H] in request order; `last_hidden_states` is the post-norm state of every token. If the
+states are [T_total, 3H] in request order; `last_hidden_states` is the post-norm state of every token, which
+this project does not store: the engine hooks the decoder's `norm` for its input (`FinalNormCapture`). If the
 runner's translation of layer ids were off by one, the stored states would not equal the direct computation.
 `tests/test_extract_sglang_api.py` (slow) checks the names this code calls against the real 0.5.23 wheel.
 """
@@ -30,7 +31,16 @@ from tasks.extract.sglang_backend import SGLangHiddenStateRunner
 from tasks.extract.sglang_contract import ExtendOutput, SGLangEngineSpec, sglang_capture_ids
 from tasks.extract.stage import extract_part
 from tasks.extract.storage import HIDDEN_DIR, load_hidden_states
-from tests.test_extract import LAYERS, LENGTHS, direct_states, index_rows, make_cfg, sample_ids, write_tokens
+from tests.test_extract import (
+    LAYERS,
+    LENGTHS,
+    direct_states,
+    index_rows,
+    make_cfg,
+    pre_norm_forward,
+    sample_ids,
+    write_tokens,
+)
 
 
 class FakeSGLangModel:
@@ -38,7 +48,7 @@ class FakeSGLangModel:
 
     def __init__(self, model: PreTrainedModel, *, plus_one: bool = True) -> None:
         self.hf = model
-        self.model = types.SimpleNamespace(layers_to_capture=[])
+        self.model = types.SimpleNamespace(layers_to_capture=[], norm=model.get_decoder().norm)
         self.plus_one = plus_one
         self.capture_aux_hidden_states = False
         self.cached_prefix: dict[tuple[int, ...], int] = {}
@@ -52,13 +62,13 @@ class FakeSGLangModel:
             self.model.layers_to_capture = [k + 1 if self.plus_one else k for k in layer_ids]
 
     def run(self, sequences: Sequence[Sequence[int]]) -> ExtendOutput:
+        """Aux states and the final norm's input (what `FinalNormCapture` keeps on the real engine)."""
         aux, final, lens = [], [], []
         for seq in sequences:
-            with torch.no_grad():
-                hs = self.hf(torch.tensor([list(seq)]), output_hidden_states=True).hidden_states
+            hs, pre_norm = pre_norm_forward(self.hf, torch.tensor([list(seq)]))
             skip = self.cached_prefix.get(tuple(seq), 0)
             aux.append(torch.cat([hs[i][0] for i in self.model.layers_to_capture], dim=-1)[skip:])
-            final.append(hs[-1][0][skip:])
+            final.append(pre_norm[0][skip:])
             lens.append(len(seq) - skip)
         return ExtendOutput(torch.cat(aux), torch.cat(final), lens)
 
@@ -259,8 +269,11 @@ class FakeModelRunner:
         out = self.model.run(seqs)
         lengths = forward_batch.batch.extend_lens
         assert lengths == [len(s) for s in seqs]
+        assert out.final is not None
+        with torch.no_grad():  # SGLang's last_hidden_states: post-norm (`forward` bypasses the engine's hooks)
+            post_norm = self.model.model.norm.forward(out.final)
         return types.SimpleNamespace(
-            logits_output=types.SimpleNamespace(hidden_states=out.aux, last_hidden_states=out.final)
+            logits_output=types.SimpleNamespace(hidden_states=out.aux, last_hidden_states=post_norm)
         )
 
 
@@ -375,20 +388,70 @@ def test_in_process_engine_over_fake_sglang_modules(
     engine.close()
 
 
-def test_missing_last_hidden_states_is_a_clear_error_and_pools_are_cleared(
+def test_missing_aux_or_final_states_are_clear_errors_and_pools_are_cleared(
     tiny_model_dir: Path, fake_sglang: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """No aux states from SGLang, or a pass in which the final norm never ran (its hook saw nothing)."""
     mr: FakeModelRunner = fake_sglang["runner"]
-    monkeypatch.setattr(
-        mr,
-        "forward",
-        lambda fb: types.SimpleNamespace(
-            logits_output=types.SimpleNamespace(hidden_states=torch.zeros(3, 192), last_hidden_states=None)
-        ),
-    )
-    with pytest.raises(ConfigError, match="no aux/last hidden states"):
-        sglang_engine._extend(mr, [[1, 2, 3]])
-    assert mr.req_to_token_pool.cleared == mr.token_to_kv_pool_allocator.cleared == 1
+    for aux in (None, torch.zeros(3, 192)):
+        monkeypatch.setattr(
+            mr,
+            "forward",
+            lambda fb, aux=aux: types.SimpleNamespace(
+                logits_output=types.SimpleNamespace(hidden_states=aux, last_hidden_states=torch.zeros(3, 64))
+            ),
+        )
+        capture = sglang_engine.FinalNormCapture(FusedAddRMSNorm(64))
+        with pytest.raises(ConfigError, match="no aux hidden states" if aux is None else "hook did not fire"):
+            sglang_engine._extend(mr, [[1, 2, 3]], capture)
+    assert mr.req_to_token_pool.cleared == mr.token_to_kv_pool_allocator.cleared == 2
+
+
+class FusedAddRMSNorm(torch.nn.Module):
+    """SGLang 0.5.23's RMSNorm call forms: `norm(x)` -> normed; `norm(x, residual)` -> (normed, x + residual),
+    with x and residual overwritten in place as the fused CUDA kernel does."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 2.0, width))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        residual.add_(x)
+        x.copy_(residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight)
+        return x, residual
+
+
+def test_final_norm_capture_keeps_the_norm_input_in_both_call_forms() -> None:
+    norm = FusedAddRMSNorm(8)
+    capture = sglang_engine.FinalNormCapture(norm)
+    x, residual = torch.randn(5, 8), torch.randn(5, 8)
+    expected = x + residual
+    with torch.no_grad():
+        normed, updated = norm(x.clone(), residual.clone())
+        plain = torch.randn(3, 8)
+        norm(plain)
+    captured = capture.take()
+    assert torch.equal(captured, torch.cat([expected, plain]))
+    updated.zero_()  # SGLang reuses the residual's storage: the capture must own its rows
+    assert torch.equal(captured[:5], expected)
+    assert not torch.allclose(normed, expected)
+    with pytest.raises(ConfigError, match="hook did not fire"):
+        capture.take()
+    capture.remove()
+    norm(torch.randn(2, 8))
+    with pytest.raises(ConfigError, match="hook did not fire"):
+        capture.take()
+
+
+def test_engine_without_a_final_norm_is_refused(fake_sglang: dict[str, Any], tiny_model_dir: Path) -> None:
+    del fake_sglang["runner"].model.model.norm
+    spec = SGLangEngineSpec(model_path=str(tiny_model_dir), layers=tuple(LAYERS), dtype="float32")
+    with pytest.raises(ConfigError, match="no final `norm` module"):
+        sglang_engine.InProcessSGLangEngine(spec)
 
 
 def test_layers_to_capture_is_found_on_text_and_multimodal_models() -> None:

@@ -174,3 +174,30 @@ def _capture_owner(model: str) -> tuple[str, str]:
         ):
             return node.name, "set_eagle3_layers_to_capture"
     raise AssertionError(f"no set_eagle3_layers_to_capture in {model}")
+
+
+@pytest.mark.parametrize("model", ["llama.py", "deepseek_v2.py", "qwen2_moe.py"])
+def test_final_norm_is_a_module_called_on_the_residual_stream(model: str) -> None:
+    """`FinalNormCapture` hooks `<decoder>.norm`: the decoder owns an RMSNorm `norm` and hands it to
+    `residual_batch.final_norm`, which calls it as `norm(hidden_states)` or `norm(hidden_states, residual)` ->
+    (normed, updated residual) through `nn.Module.__call__`, so hooks fire. (Qwen3-MoE's decoder is
+    Qwen2-MoE's.)"""
+    assert "from sglang.srt.models.qwen2_moe import Qwen2MoeModel" in source("srt/models/qwen3_moe.py")
+    text = source(f"srt/models/{model}")
+    assert "self.norm = RMSNorm(" in text
+    assert "residual_batch.final_norm(" in text and "self.norm" in text
+    pair = ast.unparse(top_level("srt/layers/layer_boundary/residual/access.py", "final_norm_pair"))
+    assert "return norm(hidden_states)" in pair
+    assert "hidden_states, residual = norm(hidden_states, residual, **read_kwargs)" in pair
+    assert "class BaseFusedOp(nn.Module, ABC)" in wheel().read("sglang/kernels/fused_op.py").decode()
+
+
+def test_sglang_returns_no_pre_norm_state_beside_the_aux_states() -> None:
+    """Why the engine hooks the norm: `last_hidden_states` is the normed `hidden_states`, and a
+    `hidden_states_before_norm` (only some models pass one) replaces the packed aux states in `hidden_states`."""
+    store = ast.unparse(method("srt/layers/logits_processor.py", "LogitsProcessor", "_get_hidden_states_to_store"))
+    assert "hidden_states_to_store = hidden_states_to_store_before_norm" in store
+    last = ast.unparse(method("srt/layers/logits_processor.py", "LogitsProcessor", "_get_last_hidden_states_to_store"))
+    assert "return hidden_states" in last
+    for model in ("llama.py", "deepseek_v2.py", "qwen3_moe.py", "kimi_k25.py"):
+        assert "hidden_states_before_norm" not in source(f"srt/models/{model}")

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from endpoint_sim.server import SimConfig, SimulatorServer
@@ -101,6 +102,11 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         keys = _artifact_keys(state.state_details.flow_run_id)
         assert {"validation-summary", "generate-progress", "generate-status", "generate-summary"} <= keys
         assert json.loads((run_dir / "run_summary.json").read_text())["run_dir"] == str(run_dir)
+        for stage in ("responses", "tokens", "validation"):  # parts and markers only: reports live in reports/
+            assert pq.read_table(run_dir / stage).num_rows == sum(
+                read_part(r, ["sample_id"]).num_rows for r in done_parts(run_dir, stage)
+            ), stage
+        assert (run_dir / "reports" / "report.html").is_file() and (run_dir / "reports" / "summary.json").is_file()
 
         sent = _sim_total(sim.base_url)
         marker_times = {str(r): r.marker.stat().st_mtime_ns for s in STAGES for r in done_parts(run_dir, s)}
@@ -132,7 +138,7 @@ def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summa
         state = pipeline(run, return_state=True)
     assert state.is_failed()
     assert "real_difference" in (state.message or "") or "gate" in (state.message or "").lower()
-    assert (run_dir / "validation" / "report.md").exists()
+    assert (run_dir / "reports" / "report.md").exists()
     assert not done_parts(run_dir, "hidden_states"), "extraction must not run past a crossed gate"
     summary = Artifact.get("failure-summary")
     assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id

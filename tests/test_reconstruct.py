@@ -28,7 +28,7 @@ from tasks.reconstruct.tokenizer_loading import (
     tokenizer_from_tiktoken,
 )
 
-DEMO = PRESETS["deepseek_v31_thinking"]
+DEMO = PRESETS["deepseek_v4_thinking"]
 EOS = "<｜end▁of▁sentence｜>"
 DATASET = "demo"
 
@@ -116,13 +116,13 @@ def test_ids_decode_to_rendered_prompt_plus_literal_completion(
         assert ids[reasoning_end - 1] == 128822  # </think> closes the reasoning section
         assert tokenizer.decode(ids[reasoning_end:-1]) == content
         assert ids[-1] == 1  # <｜end▁of▁sentence｜>
-        assert row["completion_format"] == "deepseek_v31_thinking"
+        assert row["completion_format"] == "deepseek_v4_thinking"
 
     assert stats["rows"] == 3 and not stats["reused"]
     assert stats["tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert stats["completion_tokens"] == sum(r["completion_len"] for r in rows)
     provenance = read_provenance(PartRef(tmp_path, "tokens", 0).path)
-    assert provenance["completion_format"] == "deepseek_v31_thinking"
+    assert provenance["completion_format"] == "deepseek_v4_thinking"
     assert provenance["tokenizer_hash"]
 
 
@@ -186,7 +186,13 @@ def test_reasoning_on_a_format_without_reasoning_names_the_sample(tmp_path: Path
 
 def test_special_tokens_of_the_demo_format_map_to_their_ids(tokenizer: PreTrainedTokenizerBase) -> None:
     rows = verify_special_tokens(tokenizer, DEMO)
-    assert {r.string: r.expected_id for r in rows} == {"<think>": 128821, "</think>": 128822, EOS: 1}
+    assert {r.string: r.expected_id for r in rows} == {
+        "<think>": 128821,
+        "</think>": 128822,
+        EOS: 1,
+        "<｜tool▁calls▁begin｜>": 128806,
+        "<｜tool▁call▁begin｜>": 128808,
+    }
     assert all(r.encoded_ids == (r.expected_id,) and r.decoded == r.string for r in rows)
 
 
@@ -298,7 +304,7 @@ def test_chat_template_kwargs_reach_the_prompt(tmp_path: Path) -> None:
     )
     tokenizer = load_tokenizer(thinking.tokenizer)
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "R", "C")])
-    reconstruct_part(thinking, 0, DEMO)
+    reconstruct_part(thinking, 0, PRESETS["deepseek_v31_thinking"])
     row = read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()[0]
     prompt = tokenizer.decode(row["input_ids"][: row["prompt_len"]], skip_special_tokens=False)
     assert prompt.endswith("<｜Assistant｜><think>")
@@ -307,7 +313,7 @@ def test_chat_template_kwargs_reach_the_prompt(tmp_path: Path) -> None:
     sent_without = render_prompt_ids(tokenizer, conv)  # the endpoint rendered with the template's defaults
     write_inputs(tmp_path, 1, [conv], [response_row(sid_of(conv), "R", "C", prompt_ids=sent_without)])
     with pytest.raises(ReconstructionError, match="rendered prompt ids differ"):
-        reconstruct_part(thinking, 1, DEMO)
+        reconstruct_part(thinking, 1, PRESETS["deepseek_v31_thinking"])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v31", "kimi_k2_thinking", "gpt_oss", "qwen3"])
@@ -317,7 +323,7 @@ def test_spans_read_off_ids_equal_spans_from_offsets(family: str) -> None:
     from tests.fixtures import families as F
 
     fmt = {
-        "deepseek_v31": DEMO,
+        "deepseek_v31": PRESETS["deepseek_v31_thinking"],
         "kimi_k2_thinking": PRESETS["kimi_k2_thinking"],
         "gpt_oss": PRESETS["gpt_oss_harmony"],
         "qwen3": PRESETS["qwen3_thinking"],

@@ -23,7 +23,7 @@ from tasks.reconstruct.tokenizer_loading import render_prompt, render_prompt_ids
 from tasks.validate.checks import validate_part
 from tests.test_reconstruct import DATASET, make_cfg
 
-DEMO = PRESETS["deepseek_v31_thinking"]
+DEMO = PRESETS["deepseek_v4_thinking"]
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 

@@ -103,6 +103,7 @@ def write_config(work: Path, base_url: str, tokenizer_dir: Path, *, api_key: str
         },
         "sampling": {"max_tokens": 1024},
         "tokenizer": {"path": str(tokenizer_dir)},
+        "validation": {"max_failed_rate": 1.0},  # failures on purpose: the test is about where the key goes
     }
     path = work / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -199,7 +200,7 @@ def test_a_refused_key_leaks_neither_from_the_cli_nor_from_the_exception(
 ) -> None:
     config = write_config(tmp_path, echoing.base_url, tokenizer_dir, api_key=WRONG_KEY)
     refused = cli_generate(config)
-    assert refused.returncode == 2 and "401" in refused.stderr, refused.stderr
+    assert refused.returncode == 4 and "401" in refused.stderr, refused.stderr
     assert leaks(refused.stdout + refused.stderr, "CLI output") == []
 
     caplog.set_level(logging.DEBUG)
@@ -212,7 +213,7 @@ def test_a_refused_key_leaks_neither_from_the_cli_nor_from_the_exception(
 def test_cli_config_error_does_not_echo_the_key(tmp_path: Path, tokenizer_dir: Path) -> None:
     config = write_config_without_model(tmp_path, tokenizer_dir)
     refused = cli_generate(config)
-    assert refused.returncode == 1 and "endpoint.model" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "endpoint.model" in refused.stderr, refused.stderr
     assert leaks(refused.stdout + refused.stderr, "CLI output") == []
 
 
@@ -227,7 +228,7 @@ def test_a_fatal_answer_quoting_the_key_is_redacted(
     assert exception_leaks(raised.value) + leaks(caplog.text, "log records") == []
 
     refused = cli_generate(config)
-    assert refused.returncode == 2 and "Bearer ***" in refused.stderr, refused.stderr
+    assert refused.returncode == 4 and "Bearer ***" in refused.stderr, refused.stderr
     assert leaks(refused.stdout + refused.stderr, "CLI output") + tree_leaks(tmp_path / "run") == []
 
 

@@ -9,6 +9,7 @@ templates that drop reasoning are caught.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,20 +33,78 @@ from tasks.reconstruct.special_tokens import check_special_tokens, format_table,
 from tasks.reconstruct.tokenizer_loading import render_prompt
 from tests.fixtures import families as F
 
-# (family, chat-template kwargs, preset the template must derive to, preset names it must accept)
+# (family, chat-template kwargs, preset the template must derive to, preset names it must accept): every family
+# and version shipped, each over its fixture template (tests/fixtures/templates/, source named in its header).
 CASES: list[tuple[str, dict[str, Any], str, tuple[str, ...]]] = [
     ("deepseek_v31", {"thinking": True}, "deepseek_v31_thinking", ("deepseek_v31_thinking", "deepseek_v32_thinking")),
     ("deepseek_v31", {}, "deepseek_v31_instruct", ("deepseek_v31_instruct",)),
     ("deepseek_v32", {"thinking": True}, "deepseek_v31_thinking", ("deepseek_v32_thinking",)),
     ("deepseek_v32", {"thinking": False}, "deepseek_v31_instruct", ("deepseek_v32_instruct",)),
+    ("deepseek_v4_demo", {"thinking": True}, "deepseek_v4_thinking", ("deepseek_v4_thinking",)),
+    ("deepseek_v4_demo", {}, "deepseek_v4_instruct", ("deepseek_v4_instruct",)),
     ("qwen3", {}, "qwen3_thinking", ("qwen3_thinking",)),
     ("qwen3", {"enable_thinking": False}, "qwen3_instruct", ("qwen3_instruct",)),
+    ("qwen3_2507_thinking", {}, "qwen3_2507_thinking", ("qwen3_2507_thinking",)),
+    ("qwen3_2507_instruct", {}, "qwen3_instruct", ("qwen3_instruct",)),
     ("kimi_k2_thinking", {}, "kimi_k2_thinking", ("kimi_k2_thinking",)),
     ("kimi_k2_instruct", {}, "kimi_k2_instruct", ("kimi_k2_instruct",)),
+    ("kimi_k2_instruct_0905", {}, "kimi_k2_instruct", ("kimi_k2_instruct",)),
     ("kimi_k25", {}, "kimi_k25_thinking", ("kimi_k25_thinking",)),
     ("kimi_k25", {"thinking": False}, "kimi_k2_instruct", ("kimi_k25_instruct", "kimi_k2_instruct")),
     ("gpt_oss", {}, "gpt_oss_harmony", ("gpt_oss_harmony",)),
 ]
+SOURCE = re.compile(r"Source checked against: [\w.-]+/[\w.-]+\s+models/templates/\S+\s+@ [0-9a-f]{12}|Reconstructed: ")
+
+
+def test_every_fixture_template_names_its_source() -> None:
+    """Each template's header says which published file it was checked against (repository, path, commit), or
+    that it was reconstructed and why."""
+    templates = sorted(F.TEMPLATES.glob("*.jinja"))
+    assert len(templates) >= 11
+    for path in templates:
+        text = path.read_text()
+        assert text.startswith("{#-"), path.name
+        header = text[: text.index("-#}")]
+        assert SOURCE.search(header), f"{path.name}: header names no source"
+
+
+def test_kimi_k25_inserts_no_default_system_prompt() -> None:
+    """The published K2.5 template adds no system turn (K2 and K2-Thinking add "You are Kimi, ...")."""
+    user = [{"role": "user", "content": "hi"}]
+    k25 = render_prompt(F.shared("kimi_k25"), user, {})  # type: ignore[arg-type]
+    k2 = render_prompt(F.shared("kimi_k2_thinking"), user, {})  # type: ignore[arg-type]
+    assert k25 == "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+    assert k2.startswith("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.")
+
+
+def test_a_template_that_leaves_the_last_turn_open_still_derives() -> None:
+    """Kimi-K2-Instruct-0905 renders a finished conversation without its final <|im_end|>: the end of turn is
+    read where a further user turn follows."""
+    tok = F.shared("kimi_k2_instruct_0905")
+    finished = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tokenize=False
+    )
+    assert isinstance(finished, str) and finished.endswith("<|im_middle|>a")
+    assert derive_format(tok).end_of_turn == "<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "wrong"),
+    [
+        ("deepseek_v4_demo", {"thinking": True}, "deepseek_v31_thinking"),
+        ("deepseek_v4_demo", {"thinking": True}, "deepseek_v32_thinking"),
+        ("deepseek_v4_demo", {}, "deepseek_v31_instruct"),
+        ("deepseek_v31", {"thinking": True}, "deepseek_v4_thinking"),
+    ],
+)
+def test_a_wrong_deepseek_versions_tokenizer_is_refused(family: str, kwargs: dict[str, Any], wrong: str) -> None:
+    """Same layout, other ids: V4 moved <think> from 128798 to 128821. The preset's pins refuse the tokenizer
+    before anything is sent (format check and special-token table both)."""
+    tok = F.shared(family)
+    with pytest.raises(ConfigError, match="pinned_ids"):
+        resolve_format(wrong, tok, kwargs)
+    with pytest.raises(SpecialTokenError, match="<think>"):
+        verify_special_tokens(tok, PRESETS[wrong])
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from tasks.reconstruct.stage import reconstruct_part
 from tasks.validate.checks import check_gates, summarize_validation, validate_part
 from tests.test_reconstruct import make_cfg, response_row, sid_of, write_inputs
 
-DEMO = PRESETS["deepseek_v31_thinking"]
+DEMO = PRESETS["deepseek_v4_thinking"]
 EOS = "<｜end▁of▁sentence｜>"
 REASONING = "Recall the truth table."
 CONTENT = "A NOR gate is an OR gate followed by NOT."
@@ -105,13 +105,17 @@ def test_structural_issues(tmp_path: Path, tokenizer_dir: Path) -> None:
     verdicts = {k: v["verdict"] for k, v in rows.items()}
     assert issues["0"] == ["close_tag_in_content"] and verdicts["0"] == "fail"
     assert issues["1"] == ["special_token_in_content:<｜User｜>"] and verdicts["1"] == "fail"
-    assert issues["2"] == ["open_tag_in_reasoning"] and verdicts["2"] == "fail"
-    assert issues["3"] == ["empty_reasoning"] and verdicts["3"] == "warn"
+    # The generation prompt already opened <think>: a second one is both in the text and doubled on the ids.
+    assert issues["2"] == ["open_tag_in_reasoning", "doubled_open_tag"] and verdicts["2"] == "fail"
+    # Hidden reasoning in a thinking format fails by default (validation.empty_reasoning).
+    assert issues["3"] == ["empty_reasoning"] and verdicts["3"] == "fail"
     assert issues["4"] == ["empty_content"] and verdicts["4"] == "warn"
     assert issues["5"] == ["finish_reason:length"] and verdicts["5"] == "fail"
-    assert issues["6"] == ["tool_call_unclosed"] and verdicts["6"] == "warn"
-    assert issues["7"] == ["tool_call_invalid_json"] and verdicts["7"] == "warn"
-    assert issues["8"] == [] and verdicts["8"] == "pass"
+    # Raw tool-call text with no tools sent: tool_call_policy "fail" (the default).
+    markup = "tool_call_markup:qwen in content"
+    assert issues["6"] == ["tool_call_unclosed", markup] and verdicts["6"] == "fail"
+    assert issues["7"] == ["tool_call_invalid_json", markup] and verdicts["7"] == "fail"
+    assert issues["8"] == [markup] and verdicts["8"] == "fail"
 
 
 def test_billing_delta_is_flagged(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -83,8 +83,9 @@ def test_mixed_providers_and_quantizations_are_flagged(tmp_path: Path, tokenizer
     by_key = {row["serving"]: row for row in summary["serving"]}
     assert by_key["gamma"]["failed_responses"] == 1 and by_key["gamma"]["samples"] == 0
     assert by_key["alpha/int4"]["samples"] == 1 and by_key["alpha/int4"]["exact_rate"] == 0.0
-    assert gate_violations([summary], ValidationConfig()) == []
-    (crossed,) = gate_violations([summary], ValidationConfig(fail_on_mixed_providers=True))
+    lenient = {"max_failed_rate": 1.0}  # the gamma row's failure is not what this test is about
+    assert gate_violations([summary], ValidationConfig(**lenient)) == []
+    (crossed,) = gate_violations([summary], ValidationConfig(fail_on_mixed_providers=True, **lenient))
     assert "served by a mix" in crossed and "alpha/int4" in crossed
 
 

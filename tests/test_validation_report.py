@@ -53,7 +53,7 @@ def test_report_renders_plots_html_and_markdown(
     assert violations
     report = write_validation_report(cfg.run_dir, summary, violations, 0.02)
 
-    plots = sorted((tmp_path / "validation" / "plots").glob("*.png"))
+    plots = sorted((tmp_path / "reports" / "plots").glob("*.png"))
     assert [p.name for p in plots] == ["billing_deltas.png", "mismatch_classes.png", "serving.png", "token_lengths.png"]
     for plot in plots:
         pixels = imread(plot)
@@ -67,16 +67,16 @@ def test_report_renders_plots_html_and_markdown(
     assert {base64.b64decode(e) for e in embedded} == {p.read_bytes() for p in plots}
     assert "Validation gates crossed" in page and "served by a mix" in page
     assert "XOR" in page  # the first real difference, with the tokens on each side
-    markdown = (tmp_path / "validation" / "report.md").read_text()
+    markdown = (tmp_path / "reports" / "report.md").read_text()
     assert "**GATES CROSSED**" in markdown and "![Token lengths](plots/token_lengths.png)" in markdown
-    saved = json.loads((tmp_path / "validation" / "summary.json").read_text())
+    saved = json.loads((tmp_path / "reports" / "summary.json").read_text())
     assert saved["gates_crossed"] == violations and len(saved["datasets"]) == 2
 
 
 def test_report_of_an_empty_run_still_renders(tmp_path: Path) -> None:
     report = write_validation_report(tmp_path, [], [], 0.02)
     assert "All validation gates passed" in report.read_text()
-    assert len(list((tmp_path / "validation" / "plots").glob("*.png"))) == 4
+    assert len(list((tmp_path / "reports" / "plots").glob("*.png"))) == 4
 
 
 def test_flow_task_writes_the_report_then_fails_the_gate(
@@ -87,10 +87,10 @@ def test_flow_task_writes_the_report_then_fails_the_gate(
     cfg = populated_run(tmp_path, tokenizer_dir, tokenizer)
     with pytest.raises(ValidationGateError, match=r"real_difference_rate 0\.3333 \(1/3 referenced samples\)"):
         validation_report_task(cfg)
-    page = (tmp_path / "validation" / "report.html").read_text()
+    page = (tmp_path / "reports" / "report.html").read_text()
     assert "Validation gates crossed" in page and "max_real_difference_rate" in page
 
     passing = cfg.model_copy(update={"validation": ValidationConfig(max_real_difference_rate=1.0)})
     summary = validation_report_task(passing)
     assert {s["dataset"] for s in summary} == {"B3", "demo"}
-    assert "All validation gates passed" in (tmp_path / "validation" / "report.html").read_text()
+    assert "All validation gates passed" in (tmp_path / "reports" / "report.html").read_text()

@@ -58,6 +58,7 @@ class RunStore:
         return [ref.run_dir / "hidden_states" / s for s in shards]
 
     def remote_parts(self, stage: str) -> list[int]:
+        self.fs.invalidate_cache()  # object stores cache listings; another host may have pushed since
         pattern = self._remote(f"{stage}/_done/part-*.json")
         names = [Path(p).name.replace(".json", ".parquet") for p in self.fs.glob(pattern)]
         return sorted(int(m.group(1)) for n in names if (m := PART_RE.match(n)))
@@ -71,25 +72,31 @@ class RunStore:
         return local
 
     def pull_stage(self, stage: str, parts: Iterable[int] | None = None) -> list[int]:
-        """Fetch the remote finished parts this host lacks (data files, then the marker)."""
+        """Fetch the remote finished parts this host lacks or holds in another build (data files, then the marker).
+
+        A local part counts as the same only when its marker is byte-identical to the remote one: a part rebuilt
+        on another host (new inputs, new recipe) replaces the local copy, whose marker goes first."""
         wanted = set(parts) if parts is not None else None
         pulled = []
         for part in self.remote_parts(stage):
             if wanted is not None and part not in wanted:
                 continue
             ref = PartRef(self.local_run_dir, stage, part)
-            if ref.is_done():
+            rel_marker = ref.marker.relative_to(self.local_run_dir).as_posix()
+            if ref.is_done() and ref.marker.read_bytes() == self.fs.cat_file(self._remote(rel_marker)):
                 continue
+            ref.marker.unlink(missing_ok=True)
             rel_part = ref.path.relative_to(self.local_run_dir).as_posix()
             self.pull_file(rel_part)
             if stage == "hidden_states":
                 for shard in self._data_files(ref):
                     self.pull_file(shard.relative_to(self.local_run_dir).as_posix())
-            self.pull_file(ref.marker.relative_to(self.local_run_dir).as_posix())
+            self.pull_file(rel_marker)
             pulled.append(part)
         return pulled
 
     def pull_optional(self, rel: str) -> Path | None:
+        self.fs.invalidate_cache(self._remote(rel))
         return self.pull_file(rel) if self.fs.exists(self._remote(rel)) else None
 
     def describe(self) -> dict[str, Any]:

@@ -116,7 +116,7 @@ class EndpointConfig(StrictModel):
         default=600.0,
         gt=0,
         description="After this long without any successful answer the run stops, resumably (EndpointUnavailable"
-        "Error: Prefect retries the task, the CLI exits 1); nothing is marked failed for the outage.",
+        "Error: Prefect retries the task, the CLI exits 4); nothing is marked failed for the outage.",
     )
 
     @field_validator("base_url")
@@ -157,7 +157,12 @@ class ReconstructConfig(StrictModel):
 class ValidationConfig(StrictModel):
     billing_tolerance_frac: float = Field(default=0.02, ge=0)
     max_real_difference_rate: float = Field(default=0.01, ge=0, le=1)
-    max_failed_rate: float = Field(default=1.0, ge=0, le=1)
+    max_failed_rate: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="Gate on a dataset's failed responses / responses; `generate` and `run` exit non-zero above it.",
+    )
     allowed_finish_reasons: list[str] = Field(default_factory=lambda: ["stop"])
     max_bpe_artifact_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over referenced samples.")
     max_fail_verdict_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over validated samples.")
@@ -170,6 +175,28 @@ class ValidationConfig(StrictModel):
     )
     format_disagreement: Literal["fail", "warn"] = Field(
         default="fail", description="A completion_format preset the chat template contradicts: fail, or warn."
+    )
+    prompt_tolerance_tokens: int = Field(
+        default=1,
+        ge=0,
+        description="|usage.prompt_tokens - rebuilt prompt length| up to this is 'within_tolerance' (a provider "
+        "counting BOS differently); beyond it the row is 'drift' (the provider saw another prompt).",
+    )
+    max_prompt_drift_rate: float = Field(
+        default=0.01, ge=0, le=1, description="Gate: rows in prompt-token drift, over rows whose usage has them."
+    )
+    empty_reasoning: Literal["fail", "warn"] = Field(
+        default="fail",
+        description="Thinking formats: an answer with no reasoning (hidden by the provider, or reasoning.exclude) "
+        "fails the sample, or only warns.",
+    )
+    tool_call_policy: Literal["fail", "keep", "drop"] = Field(
+        default="fail",
+        description="Tool-call markup of any supported family in an answer (no tools are sent): fail the sample, "
+        "keep it (a warning), or drop it from extraction without counting it as a failure.",
+    )
+    whitespace_min_samples: int = Field(
+        default=50, ge=1, description="Answers a provider needs before its boundary-whitespace statistics count."
     )
 
 

@@ -11,6 +11,10 @@ class ConfigError(DatagenError):
     pass
 
 
+class EmptyInputError(ConfigError):
+    """A configured dataset holds no valid row (empty, or every row quarantined)."""
+
+
 class SchemaMismatchError(DatagenError):
     """A shard's schema or schema_version is not the one this code reads."""
 

@@ -13,6 +13,8 @@ import pyarrow as pa
 SCHEMA_VERSION: Final = 2
 
 STAGES: Final = ("prompts", "responses", "tokens", "validation", "hidden_states")
+REPORTS_DIR: Final = "reports"
+"""Reports and plots live here, not in a stage folder: a stage folder holds only its parts and markers."""
 
 MESSAGE = pa.struct([pa.field("role", pa.string(), nullable=False), pa.field("content", pa.string())])
 
@@ -81,7 +83,8 @@ TOKENS = pa.schema(
 )
 
 REFERENCE_MATCH: Final = ("exact", "bpe_artifact", "real_difference", "no_reference")
-VERDICTS: Final = ("pass", "warn", "fail")
+VERDICTS: Final = ("pass", "warn", "fail", "drop")  # drop: excluded by policy (validation.tool_call_policy)
+PROMPT_MATCH: Final = ("exact", "within_tolerance", "drift", "no_usage")
 
 VALIDATION = pa.schema(
     [
@@ -104,6 +107,11 @@ VALIDATION = pa.schema(
         pa.field("reasoning_delta_tokens", pa.int64()),
         pa.field("billing_flagged", pa.bool_()),
         pa.field("quantization", pa.string()),
+        pa.field("billed_prompt_tokens", pa.int64()),
+        pa.field("our_prompt_tokens", pa.int64()),
+        pa.field("prompt_delta_tokens", pa.int64()),
+        pa.field("prompt_match", pa.string()),
+        pa.field("boundary_whitespace", pa.bool_()),
     ]
 )
 

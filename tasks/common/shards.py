@@ -3,19 +3,26 @@
 Invariant: a part counts as done only when its completion marker exists, and the marker is written after the
 Parquet file has been fsynced and renamed into place. A crash at any point leaves either no part, or a part
 without a marker (rewritten on resume), never a half-written file under the final name.
+
+Lineage: a marker also records what the part was built from (`Build`): the fingerprint of each input part (read
+from that part's own marker, never by rehashing its file) and the digest of the recipe (the config and code
+version that shape the output). A part is *current* when its marker exists and both still match; a part whose
+inputs or recipe changed is *stale* and is rebuilt like a build system would, the old file staying in place
+until the new one is renamed over it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,6 +34,18 @@ PART_RE = re.compile(r"^part-(\d{5})\.parquet$")
 META_VERSION = b"eagle3.schema_version"
 META_STAGE = b"eagle3.stage"
 META_PROVENANCE = b"eagle3.provenance"
+
+
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "prompts": (),
+    "responses": ("prompts",),
+    "tokens": ("prompts", "responses"),
+    "validation": ("tokens", "responses"),
+    "hidden_states": ("tokens", "validation"),
+}
+"""The parts (same index, other stage) each stage's part is built from: the DAG's edges at part granularity."""
+
+PartState = Literal["current", "stale", "missing"]
 
 
 def part_name(part: int) -> str:
@@ -68,10 +87,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def shared_file_mode() -> int:
+    """0o666 less the process umask: what `open()` would give. `tempfile.mkstemp` always creates 0o600, which
+    would lock every other user (and group) out of a shared run directory."""
+    try:  # Linux: read it without changing it (os.umask would briefly change it for every thread)
+        with open("/proc/self/status") as fh:
+            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, shared_file_mode())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -104,6 +136,7 @@ def write_parquet_atomic(path: Path, table: pa.Table, metadata: dict[bytes, byte
     if metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, shared_file_mode())
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
@@ -125,11 +158,131 @@ def stage_metadata(stage: str, provenance: dict[str, Any]) -> dict[bytes, bytes]
     }
 
 
+def _sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def recipe_digest(recipe: Mapping[str, Any]) -> str:
+    """Digest of what shapes a stage's output besides its input parts (config subset, code version)."""
+    return _sha256_json({"schema_version": SCHEMA_VERSION, **recipe})
+
+
+def table_digest(table: pa.Table) -> str:
+    """Content digest of a table's rows and columns (schema metadata excluded, chunking normalised)."""
+    table = table.replace_schema_metadata(None).combine_chunks()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Build:
+    """What a part is built from: fingerprints of its input parts (None: absent) and its recipe's digest.
+
+    `recipe` None means "not known to this caller" (e.g. `status` without a config): only the inputs compare.
+    """
+
+    inputs: dict[str, str | None]
+    recipe: str | None = None
+
+    def matches(self, marker: Mapping[str, Any]) -> bool:
+        if marker.get("inputs") != self.inputs:
+            return False
+        return self.recipe is None or marker.get("recipe") == self.recipe
+
+
+def read_marker(ref: PartRef) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(ref.marker.read_text())
+    return result
+
+
+def fingerprint(ref: PartRef) -> str | None:
+    """The part's identity for the parts built from it: recorded in its marker at write time (None: not done).
+
+    It covers the part's content digest and its own lineage, so a change anywhere upstream reaches every stage
+    below (hidden-state data files change with their tokens even when the index rows do not). A marker from
+    before lineage was recorded is identified by its size and completion time.
+    """
+    if not ref.is_done():
+        return None
+    try:
+        marker = read_marker(ref)
+    except (OSError, ValueError):
+        return None
+    fp = marker.get("fingerprint")
+    if isinstance(fp, str):
+        return fp
+    return f"legacy:{marker.get('bytes')}:{marker.get('finished_at')}"
+
+
+def input_fingerprints(ref: PartRef, stages: tuple[str, ...] | None = None) -> dict[str, str | None]:
+    """Current fingerprints of the parts `ref` is built from (by default its stage's UPSTREAM)."""
+    return {stage: fingerprint(ref.with_stage(stage)) for stage in (UPSTREAM[ref.stage] if stages is None else stages)}
+
+
+def expected_build(ref: PartRef, recipe: Mapping[str, Any] | None = None) -> Build:
+    """What `ref` would be built from now: its inputs' fingerprints and (when given) the recipe's digest."""
+    return Build(input_fingerprints(ref), None if recipe is None else recipe_digest(recipe))
+
+
+def part_state(ref: PartRef, build: Build) -> PartState:
+    """missing: no finished part; stale: finished from other inputs or another recipe; current: reusable."""
+    if not ref.is_done():
+        return "missing"
+    try:
+        marker = read_marker(ref)
+    except (OSError, ValueError):
+        return "missing"
+    if "inputs" not in marker:
+        return "current" if _legacy_current(ref, marker, build) else "stale"
+    return "current" if build.matches(marker) else "stale"
+
+
+def _legacy_current(ref: PartRef, marker: Mapping[str, Any], build: Build) -> bool:
+    """A marker from before lineage was recorded is judged like `make` judges files: current when every input
+    part present now finished before it did. A run directory from an older version is thus not rebuilt (nor
+    re-extracted) wholesale on upgrade, while a responses part retried after its tokens part still counts."""
+    finished = float(marker.get("finished_at") or 0.0)
+    for stage, fp in build.inputs.items():
+        if fp is None:
+            continue
+        try:
+            upstream = read_marker(ref.with_stage(stage))
+        except (OSError, ValueError):
+            return False
+        if float(upstream.get("finished_at") or 0.0) > finished:
+            return False
+    return True
+
+
+def is_current(ref: PartRef, build: Build) -> bool:
+    return part_state(ref, build) == "current"
+
+
+def _status_counts(table: pa.Table) -> dict[str, int]:
+    if "status" not in table.column_names:
+        return {}
+    counts = table.column("status").value_counts().to_pylist()
+    return {str(c["values"]): int(c["counts"]) for c in counts}
+
+
 def write_part(
-    ref: PartRef, table: pa.Table, provenance: dict[str, Any], stats: dict[str, Any] | None = None
+    ref: PartRef,
+    table: pa.Table,
+    provenance: dict[str, Any],
+    stats: dict[str, Any] | None = None,
+    build: Build | None = None,
 ) -> dict[str, Any]:
-    """Conform, write atomically, then mark done. Returns the marker's content."""
+    """Conform, write atomically, then mark done. Returns the marker's content.
+
+    The marker records `build` (default: the current fingerprints of the stage's UPSTREAM parts, no recipe),
+    the table's content digest and the resulting fingerprint, so later stages compare markers, not files.
+    """
     table = conform(table, SCHEMAS[ref.stage], str(ref))
+    if build is None:
+        build = Build(input_fingerprints(ref))
+    digest = table_digest(table)
     ref.marker.unlink(missing_ok=True)
     size = write_parquet_atomic(ref.path, table, stage_metadata(ref.stage, provenance))
     marker = {
@@ -140,14 +293,14 @@ def write_part(
         "schema_version": SCHEMA_VERSION,
         "finished_at": time.time(),
         "stats": stats or {},
+        "digest": digest,
+        "inputs": build.inputs,
+        "recipe": build.recipe,
+        "fingerprint": _sha256_json({"digest": digest, "inputs": build.inputs, "recipe": build.recipe}),
+        "status_counts": _status_counts(table),
     }
     atomic_write_text(ref.marker, json.dumps(marker, sort_keys=True, default=str))
     return marker
-
-
-def read_marker(ref: PartRef) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(ref.marker.read_text())
-    return result
 
 
 def check_schema(path: Path, schema: pa.Schema, stage: str) -> None:

@@ -1,7 +1,8 @@
 """The `evaluate` stage: the trained drafter's acceptance on the run's held-out prompts.
 
-Held-out = the validation rows of the trainer's own split (the last `1 - train_data_ratio` of the exported rows,
-exactly the rows its `val_epoch` reads). For those rows it reports
+Held-out = the validation rows of the trainer's own split: the prompts the export held out (by prompt hash),
+written after the training rows, i.e. the rows past `train_data_ratio` that its `val_epoch` reads. For those rows
+it reports
 
 - `walk`: greedy chain verification along the target's greedy decode from each row's prompt (everything before
   the row's first loss-masked token): mean accepted length, tokens per verify step, per-position acceptance;
@@ -88,7 +89,7 @@ def evaluate_run(
     opts = summary["options"]
     k = k or int(opts["ttt_steps"])
     started = time.monotonic()
-    rows = heldout_rows(train_dir / EXPORT_DIR, float(opts["train_data_ratio"]))
+    rows = heldout_rows(train_dir / EXPORT_DIR, float(summary["train_data_ratio"]))
     with torch_threads(1):
         result = _evaluate(run_dir, summary, rows, max_prompts, k, max_new_tokens, baseline, started)
     atomic_write_text(train_dir / EVALUATION_NAME, json.dumps(result, indent=2))

@@ -1,8 +1,13 @@
 """Trainer interop: a run's hidden states in SpecForge's and speculators' offline layouts.
 
 `export_run` walks the finished hidden-states parts of a run directory, re-checks every sample against its
-tokens (ids, loss mask length, shapes, finite values) and writes the chosen layout part by part, resumably;
-`eagle3_export.json` in the output directory marks a finished export.
+tokens (ids, loss mask length, shapes, finite values, the stored final state's meaning) and writes the chosen
+layout part by part, resumably; `eagle3_export.json` in the output directory marks a finished export and tells
+the trainer what it needs in its own conventions (layer ids, the validation split, the vocabulary files).
+
+Each trainer gets the final state its own target computation expects: speculators normalizes the verifier's
+last hidden state itself (`lm_head(norm(h))`), so it gets the stored pre-norm state; SpecForge applies only the
+lm_head to its `hidden_state`, so it gets the target's own final norm applied to that state (`final_norm.py`).
 """
 
 from __future__ import annotations
@@ -11,61 +16,162 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from transformers import AutoConfig
+
 from tasks.export import specforge, speculators
 from tasks.export.errors import ExportError
-from tasks.export.progress import ExportProgress, assign_slots
-from tasks.export.source import source_parts
-from tasks.extract.storage import dtype_name
+from tasks.export.final_norm import load_final_norm
+from tasks.export.progress import ExportProgress, PartSlot, assign_slots
+from tasks.export.source import SourcePart, source_parts
+from tasks.export.split import in_validation, prompt_ids, train_ratio
+from tasks.extract.storage import DTYPES, FINAL_STATE, dtype_name
 
 ExportFormat = Literal["specforge", "speculators"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("specforge", "speculators")
+DEFAULT_VAL_FRACTION = 0.05
+POST_NORM = "post_norm"
+"""The SpecForge export's final state: the stored pre-norm state with the target's final norm applied."""
 
-__all__ = ["EXPORT_FORMATS", "ExportError", "ExportFormat", "export_run"]
+__all__ = ["DEFAULT_VAL_FRACTION", "EXPORT_FORMATS", "ExportError", "ExportFormat", "export_run"]
 
 
-def export_run(run_dir: Path, fmt: str, out_dir: Path) -> dict[str, Any]:
-    """Export every finished hidden-states part of `run_dir` to `out_dir`; returns the export's stats."""
+def _one_layout(parts: list[SourcePart]) -> tuple[list[int], int, str, int]:
+    """(layers, hidden size, dtype, num_layers) shared by every part; a trainer takes one set of layer ids."""
+    found = {
+        (
+            tuple(p.layout.layers),
+            p.layout.hidden_size,
+            dtype_name(p.layout.dtype),
+            p.provenance.get("extract_num_layers"),
+        )
+        for p in parts
+        if p.layout is not None
+    }
+    if len(found) != 1:
+        raise ExportError(f"the run's hidden-states parts differ in layers/hidden size/dtype/depth: {sorted(found)}")
+    layers, hidden, dtype, num_layers = found.pop()
+    if not isinstance(num_layers, int):
+        raise ExportError("the hidden-states index provenance lacks extract_num_layers; re-run extract")
+    return list(layers), hidden, dtype, num_layers
+
+
+def _target_model(parts: list[SourcePart], override: Path | None) -> Path:
+    if override is not None:
+        return Path(override)
+    paths = {str(p.provenance.get("extract_model_path")) for p in parts}
+    if len(paths) != 1 or "None" in paths:
+        raise ExportError(f"the run's parts name target models {sorted(paths)}; pass the target model directory")
+    return Path(paths.pop())
+
+
+def export_run(
+    run_dir: Path,
+    fmt: str,
+    out_dir: Path,
+    *,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    split_seed: int = 0,
+    draft_vocab_size: int | None = None,
+    target_model: Path | None = None,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """Export every finished hidden-states part of `run_dir` to `out_dir`; returns the export's stats.
+
+    `val_fraction` of the prompts (by hash of prompt id) are held out; `target_model` overrides the model
+    directory recorded at extraction (read for the final norm, the vocabulary size); `draft_vocab_size` also
+    writes the draft-vocabulary mapping with the trainer's own utility (which must then be installed).
+    """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"export format {fmt!r} not one of {list(EXPORT_FORMATS)}")
+    if draft_vocab_size is not None:
+        (specforge if fmt == "specforge" else speculators).require_vocab_utility()
     started = time.monotonic()
-    parts = source_parts(Path(run_dir))
-    progress = ExportProgress(Path(out_dir), fmt, Path(run_dir))
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    parts = source_parts(run_dir)
+    groups = prompt_ids(run_dir)
+    slots = assign_slots(parts, lambda sid: in_validation(groups.get(sid, sid), val_fraction, split_seed))
+    all_ids = [sid for p in parts for sid in p.sample_ids]
+    ungrouped = sum(sid not in groups for sid in all_ids)
+    n_val = sum(v for s in slots for v in s.validation)
+    n_total = len(all_ids)
+    ratio = train_ratio(n_total - n_val, n_total)
+    populated = [p for p in parts if p.rows]
+    layers, hidden, dtype, num_layers = _one_layout(populated) if populated else ([], 0, "", 0)
+    model_dir = _target_model(parts, target_model)
+    progress = ExportProgress(out_dir, fmt, run_dir)
     progress.start()
-    slots = assign_slots(parts)
-    written = 0
-    skipped = 0
+    norm = None
+    if fmt == "specforge" and populated:
+        norm = load_final_norm(model_dir, DTYPES[dtype], trust_remote_code=trust_remote_code)
+    written, skipped = 0, 0
     for slot in slots:
         if progress.is_done(slot):
             skipped += 1
             continue
-        if fmt == "specforge":
-            written += specforge.write_part(Path(out_dir), slot)
-        else:
-            written += speculators.write_part(Path(out_dir), slot, len(slots))
+        if fmt == "speculators":
+            written += speculators.write_part(out_dir, slot, len(slots))
+        elif slot.count:
+            if norm is None:
+                raise ExportError("the target's final norm was not loaded")
+            written += specforge.write_part(out_dir, slot, norm)
         progress.mark_done(slot)
-    total = sum(s.count for s in slots)
-    if fmt == "specforge":
-        stale = specforge.remove_stale(Path(out_dir), total)
-    else:
-        stale = speculators.remove_stale(Path(out_dir), total, len(slots))
-        speculators.finish(Path(out_dir), len(slots))
-    layouts = sorted(
-        {
-            (tuple(layout.layers), layout.hidden_size, dtype_name(layout.dtype))
-            for layout in (s.part.layout for s in slots)
-            if layout is not None
-        }
+    stale = (  # before the closing files: SpecForge's vocabulary count walks every file under train/
+        specforge.remove_stale(out_dir, slots)
+        if fmt == "specforge"
+        else speculators.remove_stale(out_dir, n_total, len(slots))
+    )
+    vocab_files = _finish(fmt, out_dir, slots, model_dir, draft_vocab_size, trust_remote_code)
+    trainer = (
+        specforge.trainer_arguments(layers, n_val > 0, vocab_files[0] if vocab_files else None)
+        if fmt == "specforge"
+        else speculators.trainer_arguments(layers, num_layers, ratio)
     )
     manifest = progress.finish(
-        slots, {"layouts": [{"layers": list(k), "hidden_size": h, "dtype": d} for k, h, d in layouts]}
+        slots,
+        {
+            "layouts": [{"layers": layers, "hidden_size": hidden, "dtype": dtype}] if populated else [],
+            "final_state": FINAL_STATE if fmt == "speculators" else POST_NORM,
+            "target_model": str(model_dir),
+            "validation": {
+                "fraction": val_fraction,
+                "seed": split_seed,
+                "group": "prompt_id",
+                "samples_grouped_by_own_id": ungrouped,
+                "samples": n_val,
+            },
+            "vocab_files": vocab_files,
+            "trainer": trainer,
+        },
     )
     return {
         "format": fmt,
         "out": str(out_dir),
         "samples": manifest["samples"],
+        "validation_samples": n_val,
         "parts": len(slots),
         "parts_skipped": skipped,
         "bytes_written": written,
         "stale_files_removed": stale,
         "wall_s": round(time.monotonic() - started, 3),
     }
+
+
+def _finish(
+    fmt: str,
+    out_dir: Path,
+    slots: list[PartSlot],
+    model_dir: Path,
+    draft_vocab_size: int | None,
+    trust_remote_code: bool,
+) -> list[str]:
+    """The format's closing files; the draft-vocabulary files when a draft vocabulary size is asked for."""
+    freq = speculators.finish(out_dir, len(slots)) if fmt == "speculators" else None
+    if draft_vocab_size is None:
+        return [speculators.TOKEN_FREQ_FILE] if fmt == "speculators" else []
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+    vocab = int(config.get_text_config().vocab_size)
+    if not 0 < draft_vocab_size <= vocab:
+        raise ExportError(f"draft vocabulary size {draft_vocab_size} not in [1, {vocab}] (the target's vocabulary)")
+    if freq is not None:
+        return [speculators.TOKEN_FREQ_FILE, *speculators.vocab_mapping_files(out_dir, freq, draft_vocab_size, vocab)]
+    return [specforge.vocab_mapping_file(out_dir, draft_vocab_size, vocab)]

@@ -1,20 +1,24 @@
 """Resumable exports: a global sample numbering over a run's parts, per-part completion markers, a manifest.
 
 Both trainer layouts address samples by a global index (SpecForge's `data_{i}.ckpt`, speculators' dataset row
-i and `hs_{i}.safetensors`). Indices are assigned part by part in part order; a part's marker records where
-its indices start and which samples they hold, so a rerun skips a part only when the same samples would land
-at the same indices, and rewrites it otherwise. The manifest (`eagle3_export.json`) is written last: an
-export directory without it is unfinished and must not be trained on.
+i and `hs_{i}.safetensors`). Training samples come first, numbered part by part in part order, then the
+validation samples (`split.py`: whole prompts), likewise: speculators' reader takes its validation split as the
+tail of the rows, so the tail must be the held-out prompts. A part's marker records the indices and samples it
+holds and the fingerprints of the hidden-states and tokens parts they were read from, so a rerun skips a part
+only when the same samples, built from the same inputs, would land at the same indices, and rewrites it
+otherwise. The manifest (`eagle3_export.json`) is written last: an export directory without it is unfinished
+and must not be trained on.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.common.shards import atomic_write_text, part_name
+from tasks.common.shards import atomic_write_text, fingerprint, part_name
 from tasks.export.errors import ExportError
 from tasks.export.source import SourcePart
 
@@ -24,24 +28,41 @@ MANIFEST = "eagle3_export.json"
 
 @dataclass(frozen=True)
 class PartSlot:
+    """One source part's place in the export: `indices[n]` is the global index of the part's n-th index row,
+    `validation[n]` whether that row is held out."""
+
     part: SourcePart
-    start: int
     position: int
+    indices: list[int]
+    validation: list[bool]
 
     @property
     def count(self) -> int:
         return len(self.part.rows)
 
     def marker_content(self, fmt: str) -> dict[str, Any]:
-        return {"format": fmt, "start": self.start, "sample_ids": self.part.sample_ids}
+        ref = self.part.ref
+        inputs = {stage: fingerprint(ref.with_stage(stage)) for stage in (ref.stage, "tokens")}
+        return {
+            "format": fmt,
+            "indices": self.indices,
+            "sample_ids": self.part.sample_ids,
+            "validation": self.validation,
+            "inputs": inputs,
+        }
 
 
-def assign_slots(parts: list[SourcePart]) -> list[PartSlot]:
+def assign_slots(parts: list[SourcePart], held_out: Callable[[str], bool]) -> list[PartSlot]:
+    """Train samples get 0..n_train-1 part by part, validation samples n_train.. part by part."""
+    flags = [[held_out(sid) for sid in part.sample_ids] for part in parts]
+    next_index = [0, sum(not f for fs in flags for f in fs)]
     slots = []
-    start = 0
-    for position, part in enumerate(parts):
-        slots.append(PartSlot(part, start, position))
-        start += len(part.rows)
+    for position, (part, part_flags) in enumerate(zip(parts, flags, strict=True)):
+        indices = []
+        for flag in part_flags:
+            indices.append(next_index[flag])
+            next_index[flag] += 1
+        slots.append(PartSlot(part, position, indices, part_flags))
     return slots
 
 
@@ -85,7 +106,13 @@ class ExportProgress:
             "run_dir": str(self.run_dir),
             "samples": sum(s.count for s in slots),
             "parts": [
-                {"part": s.part.ref.part, "start": s.start, "count": s.count, "sample_ids": s.part.sample_ids}
+                {
+                    "part": s.part.ref.part,
+                    "count": s.count,
+                    "sample_ids": s.part.sample_ids,
+                    "indices": s.indices,
+                    "validation": s.validation,
+                }
                 for s in slots
             ],
             **extra,

@@ -2,8 +2,9 @@
 
 The hidden-states index gives each sample's shard slice; the loss mask lives in the `tokens` part of the same
 number and is joined by sample_id. Before a sample leaves this module its stored input ids are compared with
-the tokens part's ids and its states are re-checked (shape, dtype, finite), so an export can never pair
-states with the wrong tokens or mask.
+the tokens part's ids and its states are re-checked (shape, dtype, finite), and its shard must declare the
+pre-norm final state (`storage.FINAL_STATE`), so an export can never pair states with the wrong tokens or mask,
+nor hand a trainer states of another meaning than the one it is written for.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tasks.common.shards import PartRef, done_parts, read_part
+from tasks.common.shards import PartRef, done_parts, read_part, read_provenance
 from tasks.export.errors import ExportError
 from tasks.extract.storage import (
     AUX_KEY,
@@ -27,11 +28,14 @@ from tasks.extract.storage import (
     IDS_KEY,
     StateLayout,
     check_capture,
+    check_shard_meaning,
 )
 
 
 @dataclass(frozen=True)
 class ExportSample:
+    """One sample; `aux` [L, 3H] and `final` [L, H] (the input of the final norm) may be views of the shard."""
+
     sample_id: str
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
@@ -45,6 +49,7 @@ class SourcePart:
 
     ref: PartRef
     rows: list[dict[str, Any]]
+    provenance: dict[str, Any]
 
     @property
     def sample_ids(self) -> list[str]:
@@ -62,7 +67,7 @@ def source_parts(run_dir: Path) -> list[SourcePart]:
     refs = done_parts(Path(run_dir), HIDDEN_DIR)
     if not refs:
         raise ExportError(f"{run_dir} has no finished {HIDDEN_DIR} parts to export")
-    return [SourcePart(ref, read_part(ref).to_pylist()) for ref in refs]
+    return [SourcePart(ref, read_part(ref).to_pylist(), read_provenance(ref.path)) for ref in refs]
 
 
 def iter_samples(part: SourcePart) -> Iterator[ExportSample]:
@@ -95,6 +100,7 @@ def _load(handle: Any, row: dict[str, Any], token_row: dict[str, Any], ref: Part
             f"{ref} stores aux states only (extract.store_final_state: false); SpecForge and speculators both "
             "train on the final hidden state, so this run cannot be exported to them"
         )
+    check_shard_meaning(ref.run_dir / HIDDEN_DIR / str(row["shard"]), handle.metadata(), has_final=True)
     ids = handle.get_slice(IDS_KEY)[offset : offset + length]
     aux = handle.get_slice(AUX_KEY)[offset : offset + length]
     final = handle.get_slice(FINAL_KEY)[offset : offset + length]

@@ -1,31 +1,46 @@
 """speculators' offline layout (vllm-project/speculators 0.9.0, `speculators.train.data.ArrowDataset`).
 
-Read from its source: `ArrowDataset(max_len, datapath)` calls `datasets.load_from_disk(datapath)` for rows
-with `input_ids` [L], `loss_mask` [L] and `seq_len` (all int64, torch format, as its own preprocessing saves
-them), and, through `hs_connectors.FileTransfer(datapath / "hidden_states")`, loads row i's states from
-`hidden_states/hs_{i}.safetensors` holding
+Read from its source: `ArrowDataset(max_len, datapath, train_ratio=..., split=...)` calls
+`datasets.load_from_disk(datapath)` for rows with `input_ids` [L], `loss_mask` [L] and `seq_len` (all int64,
+torch format, as its own preprocessing saves them), keeps rows `[0, int(n * train_ratio))` as its train split
+and the rest as its validation split, and, through `hs_connectors.FileTransfer(datapath / "hidden_states")`,
+loads row i's states from `hidden_states/hs_{i}.safetensors` holding
 
 - `token_ids`: [L] int64, compared with the row's `input_ids` (a mismatch makes the sample unavailable),
-- `hidden_states`: [L, n_layers, H]: the aux layers low, mid, high, then the final post-norm state last
-  (`hidden_states[:, :-1]` becomes the drafter input, `hidden_states[:, -1]` the verifier's last state).
+- `hidden_states`: [L, n_layers, H]: the aux layers low, mid, high, then the verifier's last hidden state
+  (`hidden_states[:, :-1]` becomes the drafter input, `hidden_states[:, -1]` the `verifier_last_hidden_states`
+  from which `Eagle3DraftModel.forward` computes its targets as `verifier_lm_head(verifier_norm(...))`: the
+  state *before* the final norm, which is what the run stores, `storage.FINAL_STATE`).
 
-The dataset folder is written with pyarrow (`arrow_disk.py`), one Arrow file per source part.
+Rows are in export index order: training samples first, then the held-out prompts, so the manifest's
+`train_data_ratio` makes speculators' own split the prompt split. The dataset folder is written with pyarrow
+(`arrow_disk.py`): per source part one file of its training rows and, after all of those, one file of its
+held-out rows. `token_freq.pt` is what `speculators.train.vocab_mapping.save_token_frequency_distribution`
+writes (a dict token id -> count of loss-masked occurrences) over the training rows; speculators' trainer finds
+it in the data path and builds its draft vocabulary (`d2t`, `t2d`) from it for `--draft-vocab-size N`, and the
+export can write those files itself with speculators' own utility (`vocab_mapping_files`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import io
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import torch
 from safetensors.torch import save
 
 from tasks.common.shards import atomic_write_bytes
 from tasks.export.arrow_disk import data_file_name, write_data_file, write_dataset_metadata
+from tasks.export.errors import ExportError
 from tasks.export.progress import PartSlot
 from tasks.export.source import ExportSample, iter_samples
 
 HIDDEN_STATES_DIR = "hidden_states"
+TOKEN_FREQ_FILE = "token_freq.pt"
 ROW_SCHEMA = pa.schema(
     [
         pa.field("input_ids", pa.list_(pa.int64())),
@@ -39,30 +54,98 @@ def states_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / HIDDEN_STATES_DIR / f"hs_{index}.safetensors"
 
 
+def data_files(n_parts: int) -> list[str]:
+    """Training-row files of parts 0..n-1, then held-out-row files of parts 0..n-1: the rows' index order."""
+    return [data_file_name(k, 2 * n_parts) for k in range(2 * n_parts)]
+
+
 def stacked_states(sample: ExportSample) -> torch.Tensor:
-    """[L, 3H] aux + [L, H] final -> [L, 4, H], aux layers first in their stored order, final last."""
+    """[L, 3H] aux + [L, H] pre-norm final -> [L, 4, H], aux layers first in their stored order, final last."""
     length, width = sample.final.shape
-    aux = sample.aux.view(length, -1, width)
+    aux = sample.aux.reshape(length, -1, width)
     return torch.cat([aux, sample.final.unsqueeze(1)], dim=1).contiguous()
 
 
 def write_part(out_dir: Path, slot: PartSlot, n_parts: int) -> int:
     written = 0
-    ids: list[list[int]] = []
-    masks: list[list[int]] = []
+    rows: dict[bool, list[tuple[int, list[int], list[int]]]] = {False: [], True: []}
     for n, sample in enumerate(iter_samples(slot.part)):
+        index = slot.indices[n]
         data = save({"token_ids": sample.input_ids.contiguous(), "hidden_states": stacked_states(sample)})
-        atomic_write_bytes(states_path(out_dir, slot.start + n), data)
+        atomic_write_bytes(states_path(out_dir, index), data)
         written += len(data)
-        ids.append(sample.input_ids.tolist())
-        masks.append(sample.loss_mask.tolist())
-    table = pa.table({"input_ids": ids, "loss_mask": masks, "seq_len": [len(i) for i in ids]}, schema=ROW_SCHEMA)
-    written += write_data_file(Path(out_dir) / data_file_name(slot.position, n_parts), table)
+        rows[slot.validation[n]].append((index, sample.input_ids.tolist(), sample.loss_mask.tolist()))
+    names = data_files(n_parts)
+    for held_out, offset in ((False, 0), (True, n_parts)):
+        ordered = sorted(rows[held_out])
+        table = pa.table(
+            {
+                "input_ids": [ids for _, ids, _ in ordered],
+                "loss_mask": [mask for _, _, mask in ordered],
+                "seq_len": [len(ids) for _, ids, _ in ordered],
+            },
+            schema=ROW_SCHEMA,
+        )
+        written += write_data_file(Path(out_dir) / names[offset + slot.position], table)
     return written
 
 
-def finish(out_dir: Path, n_parts: int) -> None:
-    write_dataset_metadata(Path(out_dir), ROW_SCHEMA, [data_file_name(k, n_parts) for k in range(n_parts)], "torch")
+def token_frequencies(out_dir: Path, n_parts: int) -> dict[int, int]:
+    """Loss-masked token counts over the training rows, as `save_token_frequency_distribution` counts them."""
+    counts: Counter[int] = Counter()
+    for name in data_files(n_parts)[:n_parts]:
+        with pa.memory_map(str(Path(out_dir) / name)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(), strict=True):
+            counts.update(t for t, m in zip(ids, mask, strict=True) if m)
+    return dict(counts)
+
+
+def finish(out_dir: Path, n_parts: int) -> dict[int, int]:
+    """`dataset_info.json`, `state.json` and `token_freq.pt`, after every part's files are in place."""
+    write_dataset_metadata(Path(out_dir), ROW_SCHEMA, data_files(n_parts), "torch")
+    freq = token_frequencies(out_dir, n_parts)
+    atomic_write_bytes(Path(out_dir) / TOKEN_FREQ_FILE, _saved(freq))
+    return freq
+
+
+def _saved(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def require_vocab_utility() -> None:
+    """Checked before an export starts: a draft vocabulary is built with speculators' own utility."""
+    if importlib.util.find_spec("speculators") is None:
+        raise ExportError(
+            "a draft vocabulary for speculators is built with speculators' own utility, and speculators is not "
+            "installed here; export without --draft-vocab-size (speculators' trainer builds d2t/t2d from "
+            f"{TOKEN_FREQ_FILE} itself) or run the export where speculators==0.9.0 is installed"
+        )
+
+
+def vocab_mapping_files(
+    out_dir: Path, freq: dict[int, int], draft_vocab_size: int, target_vocab_size: int
+) -> list[str]:
+    """`d2t-N.npy` and `t2d-N.npy`, built by speculators' own `build_vocab_mappings_from_distribution`, where its
+    trainer looks for them (`--draft-vocab-size N` with this directory as `--data-path`)."""
+    require_vocab_utility()
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    d2t, t2d = build_vocab_mappings_from_distribution(
+        token_freq_dict=freq, draft_vocab_size=draft_vocab_size, target_vocab_size=target_vocab_size
+    )
+    names = [f"d2t-{draft_vocab_size}.npy", f"t2d-{draft_vocab_size}.npy"]
+    for name, tensor in zip(names, (d2t, t2d), strict=True):
+        atomic_write_bytes(Path(out_dir) / name, _npy(tensor.cpu().numpy()))
+    return names
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
 
 
 def remove_stale(out_dir: Path, total: int, n_parts: int) -> int:
@@ -73,9 +156,21 @@ def remove_stale(out_dir: Path, total: int, n_parts: int) -> int:
         if not index.isdigit() or int(index) >= total:
             path.unlink()
             removed += 1
-    expected = {data_file_name(k, n_parts) for k in range(n_parts)}
+    expected = set(data_files(n_parts))
     for path in Path(out_dir).glob("data-*-of-*.arrow"):
         if path.name not in expected:
             path.unlink()
             removed += 1
     return removed
+
+
+def trainer_arguments(layers: list[int], num_layers: int, train_ratio: float) -> dict[str, object]:
+    """What speculators' trainer must be told about this data, in its own conventions: `--target-layer-ids` are
+    indices into transformers' `output_hidden_states` (vLLM's `aux_hidden_state_layers`, default
+    [2, N//2, N-3]), i.e. our layer-output ids + 1; the final state is id N."""
+    return {
+        "target_layer_ids": [k + 1 for k in layers],
+        "verifier_final_layer_id": num_layers,
+        "train_data_ratio": train_ratio,
+        "token_freq_path": TOKEN_FREQ_FILE,
+    }

@@ -1,8 +1,9 @@
 """Hidden-state capture with transformers: the target model runs once per batch and only the tensors the
 drafter needs leave it.
 
-Forward hooks on the configured decoder layers (and on the final norm, unless only aux states are stored)
-copy each layer's unpadded rows into one preallocated per-batch buffer as the layer finishes, so no layer
+Forward hooks on the configured decoder layers (and a forward-pre-hook on the final norm, unless only aux states
+are stored: the final state kept is the norm's *input*, `storage.FINAL_STATE`) copy each layer's unpadded rows
+into one preallocated per-batch buffer as the layer finishes, so no layer
 output outlives its hook and `output_hidden_states` (every layer kept) is never requested. The base model
 (`get_decoder()`) runs instead of the CausalLM, so no lm_head logits ([T, vocab], by far the largest
 activation) are computed. Batches are planned by a padded-token budget over length-sorted samples, longest
@@ -31,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tasks.common.errors import ConfigError
 from tasks.extract.capture import CapturedBatch, plan_padded_batches
 from tasks.extract.layers import resolve_layers
-from tasks.extract.storage import DTYPES, StateLayout, dtype_name
+from tasks.extract.storage import DTYPES, FINAL_STATE, NO_FINAL_STATE, StateLayout, dtype_name
 
 if TYPE_CHECKING:
     from tasks.common.config import PipelineConfig
@@ -58,9 +59,28 @@ def _tensor_output(output: Any) -> torch.Tensor:
     raise ConfigError(f"cannot read a hidden state from a module output of type {type(output).__name__}")
 
 
+def _norm_input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The final norm's input: its first positional argument, or `hidden_states=` (transformers' norms take one)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    hidden = kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor):
+        return hidden
+    raise ConfigError("the final norm was called without a hidden-state tensor; cannot capture its input")
+
+
 def _module_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    """Where `module` computes. A module accelerate dispatched with offloading (`device_map` entries "cpu" or
+    "disk" next to GPUs, or a model larger than the GPUs) keeps its parameters on `meta` between forwards; its
+    hook's `execution_device` is where its inputs and outputs live."""
+    hook = getattr(module, "_hf_hook", None)
+    for each in [hook, *getattr(hook, "hooks", ())]:
+        device = getattr(each, "execution_device", None)
+        if device is not None:
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     for param in module.parameters():
-        return param.device
+        if param.device.type != "meta":
+            return param.device
     return fallback
 
 
@@ -118,7 +138,13 @@ class HFHiddenStateRunner:
             decoder_layers[k].register_forward_hook(self._hook(f"layer{k}", slot)) for slot, k in enumerate(self.layers)
         ]
         if store_final_state:
-            self._hooks.append(norm.register_forward_hook(self._hook("final", None)))
+            final_hook = self._hook("final", None)
+            self._hooks.append(
+                norm.register_forward_pre_hook(
+                    lambda module, args, kwargs: final_hook(module, args, _norm_input(args, kwargs)),
+                    with_kwargs=True,
+                )
+            )
         self.forward_passes = 0
 
     @classmethod
@@ -212,19 +238,30 @@ class HFHiddenStateRunner:
             "extract_device": str(self.input_device),
             "extract_device_map": self.device_map,
             "extract_store_final_state": self.store_final_state,
+            "extract_final_state": FINAL_STATE if self.store_final_state else NO_FINAL_STATE,
             "torch_version": torch.__version__,
             "transformers_version": transformers.__version__,
         }
 
-    def pad_batch(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded input ids and attention mask on the input device."""
+    def pad_batch(self, sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Right-padded input ids and attention mask on the input device; no mask when nothing is padded.
+
+        Neither costs the host a wait on the device: the copies leave pinned memory asynchronously (a plain
+        `.to(cuda)` waits for the stream, i.e. for the previous batch's forward to finish), and an unpadded
+        batch passes no mask, since transformers reads a mask's values on the host to decide whether it can
+        use SDPA's causal kernel (another wait, for a mask of all ones that means "causal" anyway).
+        """
         width = max((len(s) for s in sequences), default=0)
         ids = torch.full((len(sequences), width), self._pad_id, dtype=torch.long)
         mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
-        return ids.to(self.input_device), mask.to(self.input_device)
+        padded = any(len(s) != width for s in sequences)
+        if self.input_device.type == "cuda":
+            ids, mask = ids.pin_memory(), mask.pin_memory()
+        ids = ids.to(self.input_device, non_blocking=True)
+        return ids, mask.to(self.input_device, non_blocking=True) if padded else None
 
     def run_batch(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> CapturedBatch:
         """One right-padded forward pass; the batch's rows, unpadded and in `indices` order, on the device."""

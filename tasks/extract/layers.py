@@ -1,11 +1,11 @@
 """Which decoder layers an EAGLE-3 drafter reads, and the one indexing convention every backend follows.
 
 Convention: the captured output of layer id k (0-based) is the residual stream leaving decoder layer k, which
-is HF `output_hidden_states[k + 1]` (index 0 is the embedding output). The "final" state is the output of the
-model's final norm, i.e. what the lm_head consumes. In transformers 5.x `output_hidden_states[-1]` is that
-post-norm state (it replaces the raw output of the last layer), so `[k + 1]` is only the raw layer-k output
-for k <= N - 2. Layer N - 1 is therefore not a valid auxiliary layer: its raw output is one norm away from the
-final state the drafter already receives, and it would make the convention ambiguous. `tests/test_extract.py`
+is HF `output_hidden_states[k + 1]` (index 0 is the embedding output). The "final" state is the *input* of the
+model's final norm (the raw output of layer N - 1; `storage.FINAL_STATE`), from which the lm_head's input is one
+norm away. In transformers 5.x `output_hidden_states[-1]` is the post-norm state (it replaces the raw output of
+the last layer), so `[k + 1]` is only the raw layer-k output for k <= N - 2. Layer N - 1 is therefore not a
+valid auxiliary layer: its raw output is the final state the drafter already receives. `tests/test_extract.py`
 checks both halves of this against a real forward pass.
 """
 

@@ -12,8 +12,16 @@ Layer convention: this project's layer id k is the output of decoder layer k (0-
 of the layer before: passing our ids unchanged therefore captures exactly our layers ([1, N//2-1, N-4] become
 SGLang's [2, N//2, N-3]). The runner reads `layers_to_capture` back from the loaded model and refuses to run
 if it is not `[k + 1 for k in layers]`, so a change of that convention in SGLang fails before any state is
-written. The final state is the post-norm hidden state SGLang keeps beside the aux states in
-`LogitsProcessorOutput.last_hidden_states`.
+written.
+
+Final state: this project stores the input of the final norm (`storage.FINAL_STATE`). SGLang 0.5.23 does not
+return it for the models this backend is for: `LogitsProcessorOutput.last_hidden_states` is the *post*-norm
+state, and its `return_hidden_states_before_norm` path exists only for a few models (DeepSeek-V4, MiMo-V2,
+Step-3.5) and, when set, *replaces* the packed aux states in `hidden_states`. A post-norm state cannot be turned
+back into the pre-norm one (RMSNorm discards the scale), so the engine hooks the decoder's final norm itself
+(`sglang_engine.FinalNormCapture`): with SGLang's fused add + norm, `norm(hidden_states, residual)` returns
+`(normed, hidden_states + residual)`, and that updated residual is exactly the tensor the kernel normalized,
+the same sum SGLang records for the aux states and vLLM for its final state.
 
 Alignment: SGLang reports, per request, how many tokens it extended (`extend_lens`); prefix caching would
 make that smaller than the request (a cached prefix returns no states, the failure mode of vLLM issue 44485),
@@ -32,7 +40,7 @@ from tasks.common.errors import ConfigError
 from tasks.extract.capture import CapturedBatch, plan_ragged_batches
 from tasks.extract.layers import resolve_layers
 from tasks.extract.sglang_contract import SGLANG_VERSION, ExtendOutput, SGLangEngineSpec, sglang_capture_ids
-from tasks.extract.storage import DTYPES, StateLayout
+from tasks.extract.storage import DTYPES, FINAL_STATE, NO_FINAL_STATE, StateLayout
 
 if TYPE_CHECKING:
     from tasks.common.config import PipelineConfig
@@ -127,6 +135,7 @@ class SGLangHiddenStateRunner:
             "extract_hidden_size": self.hidden_size,
             "extract_tp_size": self.tp_size,
             "extract_store_final_state": self.store_final_state,
+            "extract_final_state": FINAL_STATE if self.store_final_state else NO_FINAL_STATE,
             "sglang_version": SGLANG_VERSION,
             "torch_version": torch.__version__,
         }
@@ -160,8 +169,10 @@ def unpack_extend(out: ExtendOutput, indices: list[int], layout: StateLayout) ->
     pass through unconverted, so a model running in another dtype than configured fails the writer's check."""
     if len(out.extend_lens) != len(indices):
         raise ConfigError(f"SGLang returned {len(out.extend_lens)} extend lengths for {len(indices)} requests")
-    for name, tensor, width in (("aux", out.aux, layout.aux_width), ("final", out.final, layout.hidden_size)):
-        if tensor.ndim != 2 or tensor.shape[1] != width:
-            raise ConfigError(f"SGLang {name} hidden states have shape {tuple(tensor.shape)}, expected [T, {width}]")
+    if layout.store_final_state and out.final is None:
+        raise ConfigError("SGLang engine returned no final-norm input for a layout that stores the final state")
     final = out.final if layout.store_final_state else None
+    for name, tensor, width in (("aux", out.aux, layout.aux_width), ("final", final, layout.hidden_size)):
+        if tensor is not None and (tensor.ndim != 2 or tensor.shape[1] != width):
+            raise ConfigError(f"SGLang {name} hidden states have shape {tuple(tensor.shape)}, expected [T, {width}]")
     return CapturedBatch(indices, list(out.extend_lens), out.aux, final, sum(out.extend_lens))

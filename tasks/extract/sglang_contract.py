@@ -37,7 +37,8 @@ class SGLangEngineSpec:
 
         `enable_return_aux_hidden_states` + `speculative_algorithm="EAGLE3"` is SGLang's draft-free capture
         mode: the model runner calls `set_eagle3_layers_to_capture(return_aux_hidden_state_layer_ids)` at load
-        and the logits processor keeps the post-norm last hidden states next to the packed aux states.
+        and the logits processor returns the packed aux states. The final state is not taken from SGLang's
+        output (its `last_hidden_states` is post-norm): the engine hooks the final norm (`FinalNormCapture`).
         `disable_radix_cache` turns prefix caching off; `chunked_prefill_size=-1` keeps each request in one
         extend; CUDA graphs are for decode and never used here.
         """
@@ -62,9 +63,10 @@ class SGLangEngineSpec:
 
 @dataclass(frozen=True)
 class ExtendOutput:
-    """One extend pass: `aux` [T, 3H] packed in request order, `final` [T, H] post-norm, and the number of
-    tokens SGLang extended for each request (T = their sum when nothing is cached)."""
+    """One extend pass: `aux` [T, 3H] packed in request order, `final` [T, H] the input of the final norm
+    (`storage.FINAL_STATE`; None on TP ranks that keep nothing), and the number of tokens SGLang extended for
+    each request (T = their sum when nothing is cached)."""
 
     aux: torch.Tensor
-    final: torch.Tensor
+    final: torch.Tensor | None
     extend_lens: list[int]

@@ -4,9 +4,11 @@ SGLang's HTTP/`Engine` API returns hidden states as Python float lists through i
 list per request: orders of magnitude slower than the forward pass) and only the aux states, not the final
 one. This engine instead drives the `ModelRunner` directly, the way SGLang's `sglang.benchmark.one_batch` does
 and SpecForge's offline capture does: requests become one `ScheduleBatch`, one extend pass runs with
-`CaptureHiddenMode.FULL`, and the packed aux states plus the post-norm last hidden states come back as tensors
-on the GPU. Tensor parallelism: rank 0 runs in this process, ranks 1..tp-1 in spawned processes that run the
-same batches (SGLang's collectives need every rank in each forward); only rank 0's tensors are kept.
+`CaptureHiddenMode.FULL`, and the packed aux states come back as tensors on the GPU, together with the input of
+the decoder's final norm, which a hook on that norm keeps (`FinalNormCapture`; SGLang itself returns only the
+post-norm state, see `sglang_backend`). Tensor parallelism: rank 0 runs in this process, ranks 1..tp-1 in
+spawned processes that run the same batches (SGLang's collectives need every rank in each forward); only rank
+0's tensors are kept (and only rank 0 hooks its final norm).
 
 Only this module imports sglang, lazily; it is exercised on GPU machines with `sglang==0.5.23` installed.
 What was and was not verified without one is written in docs/extraction.md.
@@ -21,6 +23,9 @@ from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from tasks.common.errors import ConfigError
 from tasks.extract.sglang_contract import SGLANG_VERSION, ExtendOutput, SGLangEngineSpec
@@ -95,9 +100,74 @@ def build_requests(sequences: Sequence[Sequence[int]], req_cls: Any, sampling_pa
     return reqs
 
 
-def _extend(model_runner: Any, sequences: Sequence[Sequence[int]]) -> ExtendOutput:
-    """One extend pass over `sequences` with full hidden-state capture; pools are cleared afterwards so every
-    pass starts from an empty KV cache (nothing is ever served from a cached prefix)."""
+def _rows(states: torch.Tensor) -> torch.Tensor:
+    """An owned [tokens, H] copy (SGLang passes [T, H]; a padded [B, L, H] input is flattened the same way)."""
+    return states.detach().reshape(-1, states.shape[-1]).clone()
+
+
+class FinalNormCapture:
+    """Keeps the input of a decoder's final norm for every call during one extend pass.
+
+    SGLang 0.5.23 calls the final norm either as `norm(hidden_states)` (returns the normed tensor) or, with its
+    fused add + RMSNorm, as `norm(hidden_states, residual)` (returns `(normed, hidden_states + residual)`,
+    updating the residual in place, `layers/layer_boundary/residual/access.py:final_norm_pair`). The pre-norm
+    state is then the input in the first form and the returned residual in the second: exactly what the kernel
+    normalized. Each is cloned, since SGLang reuses that storage. A pass in which the norm never ran (CUDA graph
+    replay, a model whose final norm is fused into its last MoE layer) yields nothing and is refused by `take`.
+    """
+
+    def __init__(self, norm: nn.Module) -> None:
+        self._chunks: list[torch.Tensor] = []
+        self._fused = False
+        self._handles = [
+            norm.register_forward_pre_hook(self._before, with_kwargs=True),
+            norm.register_forward_hook(self._after),
+        ]
+
+    def _before(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        residual = args[1] if len(args) > 1 else kwargs.get("residual")
+        self._fused = isinstance(residual, torch.Tensor)
+        if not self._fused:
+            hidden = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
+            if not isinstance(hidden, torch.Tensor):
+                raise ConfigError(f"{type(module).__name__} was called without a hidden-state tensor")
+            self._chunks.append(_rows(hidden))
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._fused:
+            return
+        if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], torch.Tensor)):
+            raise ConfigError(
+                f"{type(module).__name__}(hidden_states, residual) returned {type(output).__name__}, expected "
+                "(normed, updated residual) as in SGLang 0.5.23"
+            )
+        self._chunks.append(_rows(output[1]))
+
+    def reset(self) -> None:
+        self._chunks.clear()
+
+    def take(self) -> torch.Tensor:
+        """The pass's pre-norm rows, in call order; raises if the norm did not run."""
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
+            raise ConfigError(
+                "the final norm's hook did not fire during the extend pass (CUDA graph, or a model that fuses its "
+                "final norm elsewhere): the pre-norm final state cannot be captured"
+            )
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _extend(
+    model_runner: Any, sequences: Sequence[Sequence[int]], final_norm: FinalNormCapture | None = None
+) -> ExtendOutput:
+    """One extend pass over `sequences` with full hidden-state capture (and, given `final_norm`, the input of the
+    final norm); pools are cleared afterwards so every pass starts from an empty KV cache (nothing is ever
+    served from a cached prefix)."""
     from sglang.benchmark import one_batch
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
@@ -111,6 +181,8 @@ def _extend(model_runner: Any, sequences: Sequence[Sequence[int]]) -> ExtendOutp
         device=model_runner.device,
         token_to_kv_pool_allocator=model_runner.token_to_kv_pool_allocator,
     )
+    if final_norm is not None:
+        final_norm.reset()
     try:
         batch = ScheduleBatch.init_new(
             reqs=reqs,
@@ -133,27 +205,45 @@ def _extend(model_runner: Any, sequences: Sequence[Sequence[int]]) -> ExtendOutp
             return_hidden_states_before_norm=False,
         )
         output = model_runner.forward(forward_batch).logits_output
-        if output.hidden_states is None or output.last_hidden_states is None:
+        if output.hidden_states is None:
             raise ConfigError(
-                "SGLang returned no aux/last hidden states: is enable_return_aux_hidden_states on "
+                "SGLang returned no aux hidden states: is enable_return_aux_hidden_states on "
                 "and does this model implement set_eagle3_layers_to_capture?"
             )
-        return ExtendOutput(output.hidden_states, output.last_hidden_states, [int(n) for n in batch.extend_lens])
+        aux: torch.Tensor = output.hidden_states
+        final = final_norm.take().to(aux.dtype) if final_norm is not None else None
+        return ExtendOutput(aux, final, [int(n) for n in batch.extend_lens])
     finally:
+        if final_norm is not None:
+            final_norm.reset()
         model_runner.req_to_token_pool.clear()
         model_runner.token_to_kv_pool_allocator.clear()
 
 
-def _layers_to_capture(model: Any) -> list[int]:
-    """`layers_to_capture` of the decoder SGLang hooks (`model.model` for text models, a language model for VLMs)."""
+def _decoder(model: Any) -> Any:
+    """The decoder SGLang hooks (`model.model` for text models, a language model's for VLMs): the node holding
+    `layers_to_capture`."""
     for path in ("model", "language_model.model", "language_model"):
         node = model
         for name in path.split("."):
             node = getattr(node, name, None)
-        found = getattr(node, "layers_to_capture", None)
-        if found is not None:
-            return [int(i) for i in found]
+        if getattr(node, "layers_to_capture", None) is not None:
+            return node
     raise ConfigError(f"{type(model).__name__} exposes no layers_to_capture: SGLang cannot capture its aux states")
+
+
+def _layers_to_capture(model: Any) -> list[int]:
+    return [int(i) for i in _decoder(model).layers_to_capture]
+
+
+def _final_norm(model: Any) -> nn.Module:
+    norm = getattr(_decoder(model), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ConfigError(
+            f"{type(model).__name__}'s decoder has no final `norm` module (pipeline parallel?): its pre-norm "
+            "final state cannot be captured"
+        )
+    return norm
 
 
 def _rank_main(server_args: Any, port_args: Any, tp_rank: int, inbox: Any, outbox: Any) -> None:
@@ -193,6 +283,7 @@ class InProcessSGLangEngine:
         try:
             self._runner = _load_rank(server_args, port_args, 0)
             self._await_ready()
+            self._final_norm = FinalNormCapture(_final_norm(self._runner.model))
         except BaseException:
             self.close()
             raise
@@ -228,9 +319,12 @@ class InProcessSGLangEngine:
         batch = [list(s) for s in sequences]
         for inbox in self._inboxes:
             inbox.put(batch)
-        return _extend(self._runner, batch)
+        return _extend(self._runner, batch, self._final_norm)
 
     def close(self) -> None:
+        final_norm = getattr(self, "_final_norm", None)
+        if final_norm is not None:
+            final_norm.remove()
         for inbox in self._inboxes:
             inbox.put(None)
         for worker in self._workers:

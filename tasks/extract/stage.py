@@ -1,8 +1,9 @@
 """The extract stage: one `tokens` part in, one `hidden_states` index part (plus its safetensors shards) out.
 
-Resumable per part: a part with a completion marker is returned as is, without running a batch on the model;
-an unfinished part's leftover shards are deleted and rewritten, because only the index part (written last,
-with its marker) makes shards visible to readers.
+Resumable per part: a part whose marker records the current tokens (and validation) parts and recipe, and the
+final-state meaning of `storage.FINAL_STATE`, is returned as is, without running a batch on the model; an
+unfinished or stale part's marker is removed first, then its shards are deleted and rewritten, because only the
+index part (written last, with its marker) makes shards visible to readers.
 
 The model and the disk run concurrently: the main thread launches forward passes and hands each batch to
 `HostStager` (device-to-host copy on a side stream) and then to the `ShardStreamWriter` thread, which checks
@@ -11,6 +12,8 @@ and writes the previous batches while the next one computes.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -20,20 +23,36 @@ import torch
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ConfigError
 from tasks.common.schemas import HIDDEN_STATES_INDEX
-from tasks.common.shards import PartRef, read_marker, read_part, write_part
+from tasks.common.shards import (
+    Build,
+    PartRef,
+    input_fingerprints,
+    is_current,
+    read_marker,
+    read_part,
+    recipe_digest,
+    write_part,
+)
 from tasks.extract.capture import CapturedBatch, HostStager
+from tasks.extract.gpu_check import check_before_load
 from tasks.extract.storage import (
     DATA_DIR,
+    FINAL_STATE,
+    FINAL_STATE_META,
     HIDDEN_DIR,
+    NO_FINAL_STATE,
     FreeSpaceProbe,
     StateLayout,
     clear_stale_shards,
     disk_free_bytes,
     ensure_space,
     estimate_bytes,
+    marker_is_current,
     plan_shards,
 )
 from tasks.extract.writer import ShardStreamWriter
+
+logger = logging.getLogger(__name__)
 
 WRITER_QUEUE_BATCHES = 2
 """Batches staged ahead of the writer: enough to keep the disk busy while the next forward pass runs, few
@@ -60,6 +79,9 @@ class HiddenStateRunner(Protocol):
 
 
 def make_runner(cfg: PipelineConfig) -> HiddenStateRunner:
+    ext = cfg.extract
+    for verdict in check_before_load(ext.device, ext.device_map, ext.backend):
+        logger.info("torch kernels for %s", verdict.describe())
     if cfg.extract.backend == "sglang":
         from tasks.extract.sglang_backend import SGLangHiddenStateRunner
 
@@ -84,13 +106,52 @@ def _check_runner_matches(cfg: PipelineConfig, runner: HiddenStateRunner) -> Non
         )
 
 
+EXTRACT_CODE_VERSION = 1
+"""Bump when a code change alters the stored states or index rows for the same inputs."""
+
+
+def hidden_states_recipe(cfg: PipelineConfig) -> dict[str, Any]:
+    """What shapes a hidden-states part besides its inputs, from the config alone (deciding that a part is
+    current must not load the model). Batching, device and shard-size knobs are left out: they do not change the
+    states, and re-extracting for them would cost GPU hours."""
+    ecfg = cfg.extract
+    model_config = cfg.extract_model_path / "config.json"
+    model_digest = hashlib.sha256(model_config.read_bytes()).hexdigest() if model_config.is_file() else None
+    return {
+        "stage": "hidden_states",
+        "code_version": EXTRACT_CODE_VERSION,
+        "model_path": str(cfg.extract_model_path),
+        "model_config_sha256": model_digest,
+        "backend": ecfg.backend,
+        "layers": ecfg.layers,
+        "dtype": ecfg.dtype,
+        "store_final_state": ecfg.store_final_state,
+        "final_state": FINAL_STATE,
+        "skip_failed_validation": ecfg.skip_failed_validation,
+    }
+
+
+def hidden_states_build(cfg: PipelineConfig, part: int) -> Build:
+    """The build a current hidden-states part records: its tokens part (and validation part, when failed
+    samples are skipped) and the recipe."""
+    out = PartRef(cfg.run_dir, HIDDEN_DIR, part)
+    stages = ("tokens", "validation") if cfg.extract.skip_failed_validation else ("tokens",)
+    return Build(input_fingerprints(out, stages), recipe_digest(hidden_states_recipe(cfg)))
+
+
+def hidden_states_current(cfg: PipelineConfig, part: int) -> bool:
+    ref = PartRef(cfg.run_dir, HIDDEN_DIR, part)
+    return is_current(ref, hidden_states_build(cfg, part)) and marker_is_current(read_marker(ref)["stats"])
+
+
 def failed_validation_ids(cfg: PipelineConfig, part: int) -> set[str] | None:
-    """Sample ids whose validation verdict is "fail"; None when this part has no finished validation part."""
+    """Sample ids whose validation verdict is "fail" or "drop" (validation.tool_call_policy); None when this part
+    has no finished validation part."""
     ref = PartRef(cfg.run_dir, "validation", part)
     if not ref.is_done():
         return None
     columns = read_part(ref, columns=["sample_id", "verdict"]).to_pydict()
-    return {sid for sid, v in zip(columns["sample_id"], columns["verdict"], strict=True) if v == "fail"}
+    return {sid for sid, v in zip(columns["sample_id"], columns["verdict"], strict=True) if v in ("fail", "drop")}
 
 
 def extract_part(
@@ -102,9 +163,12 @@ def extract_part(
 ) -> dict[str, Any]:
     """Capture and store hidden states for every (non-failed) sample of tokens part `part`; returns stats."""
     out_ref = PartRef(cfg.run_dir, HIDDEN_DIR, part)
-    if out_ref.is_done():
+    build = hidden_states_build(cfg, part)
+    if is_current(out_ref, build):
         stats: dict[str, Any] = read_marker(out_ref)["stats"]
-        return stats
+        if marker_is_current(stats):
+            return stats
+        out_ref.marker.unlink()  # written with another final-state meaning: redo it, unreadable meanwhile
     _check_runner_matches(cfg, runner)
     tokens = read_part(PartRef(cfg.run_dir, "tokens", part), columns=["sample_id", "dataset", "input_ids"])
     failed = failed_validation_ids(cfg, part) if cfg.extract.skip_failed_validation else None
@@ -115,6 +179,7 @@ def extract_part(
 
     data_dir = cfg.run_dir / HIDDEN_DIR / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
+    out_ref.marker.unlink(missing_ok=True)  # a stale index must not point at shards being rewritten
     stale = clear_stale_shards(cfg.run_dir, part)
     needed = estimate_bytes(n_tokens, runner.hidden_size, runner.dtype, store_final_state=runner.store_final_state)
     ensure_space(data_dir, needed, f"{out_ref} ({len(rows)} samples, {n_tokens} tokens)", free_bytes)
@@ -166,9 +231,10 @@ def extract_part(
         "padded_tokens": padded_tokens,
         "padding_waste_frac": (padded_tokens - n_tokens) / padded_tokens if padded_tokens else 0.0,
         "store_final_state": runner.store_final_state,
+        FINAL_STATE_META: FINAL_STATE if runner.store_final_state else NO_FINAL_STATE,
         "writer_busy_s": round(writer.busy_s, 4),
         "writer_ready_wait_s": round(writer.ready_wait_s, 4),
         "submit_wait_s": round(writer.submit_wait_s, 4),
     }
-    write_part(out_ref, index, {**cfg.provenance(), **runner.provenance()}, stats)
+    write_part(out_ref, index, {**cfg.provenance(), **runner.provenance()}, stats, build)
     return stats

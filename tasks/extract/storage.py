@@ -1,7 +1,9 @@
 """Hidden states on disk: bounded safetensors shards of token-concatenated samples, indexed by a Parquet part.
 
 Layout: `<run_dir>/hidden_states/data/part-NNNNN-SSSS.safetensors` holds `input_ids` [T_total] (int32),
-`aux_hidden_states` [T_total, 3H] and, unless the run stores aux states only, `hidden_states` [T_total, H];
+`aux_hidden_states` [T_total, 3H] and, unless the run stores aux states only, `hidden_states` [T_total, H]: the
+final hidden state *before* the model's final norm (`FINAL_STATE`, declared in every shard's header), from which
+both trainers' targets are exact (speculators applies the norm itself; the SpecForge export applies it);
 the index part `hidden_states/part-NNNNN.parquet` maps each sample to (shard, token offset, length). Shards are
 renamed into place complete, and the index part plus its marker are written last, so a crash leaves at most
 unindexed shards that the next attempt deletes and rewrites.
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tasks.common.errors import CaptureMismatchError, InsufficientSpaceError
+from tasks.common.errors import CaptureMismatchError, InsufficientSpaceError, SchemaMismatchError
 from tasks.common.shards import part_name
 
 HIDDEN_DIR = "hidden_states"
@@ -37,6 +39,12 @@ AUX_KEY = "aux_hidden_states"
 FINAL_KEY = "hidden_states"
 IDS_KEY = "input_ids"
 IDS_DTYPE = torch.int32
+FINAL_STATE = "pre_norm"
+"""What `hidden_states` holds: the input of the target's final norm (vLLM's `hidden_states + residual` before
+`self.norm`), not its output. Shards written before this was recorded stored the post-norm state; readers
+refuse them (`check_shard_meaning`) rather than mix the two meanings."""
+FINAL_STATE_META = "final_state"
+NO_FINAL_STATE = "none"
 HEADER_ALIGN = 8
 """The safetensors writer pads its JSON header with spaces to this multiple, so tensor data stays aligned."""
 
@@ -242,6 +250,7 @@ def _shard_spec(part: int, index: int, tokens: int, samples: int, layout: StateL
         "hidden_size": str(layout.hidden_size),
         "samples": str(samples),
         "store_final_state": json.dumps(layout.store_final_state),
+        FINAL_STATE_META: FINAL_STATE if layout.store_final_state else NO_FINAL_STATE,
     }
     tensors = shard_tensors(tokens, layout)
     header, starts = safetensors_header(tensors, metadata)
@@ -288,11 +297,30 @@ def plan_shards(
     return ShardPlan(shards, [p for p in placements if p is not None], oversize)
 
 
+def check_shard_meaning(path: Path, metadata: Mapping[str, str] | None, has_final: bool) -> None:
+    """Refuse a shard whose final state is not `FINAL_STATE` (older extracts stored the post-norm state, which
+    the speculators trainer would normalize a second time). Aux-only shards carry no final state to misread."""
+    if not has_final:
+        return
+    found = (metadata or {}).get(FINAL_STATE_META)
+    if found != FINAL_STATE:
+        raise SchemaMismatchError(
+            f"{path}: final hidden state is {found or 'post_norm (written before the meaning was recorded)'}, "
+            f"this code reads {FINAL_STATE}; re-run extract, which redoes such parts"
+        )
+
+
+def marker_is_current(stats: Mapping[str, Any]) -> bool:
+    """A finished part's marker stats describe states this code reads: aux-only, or the `FINAL_STATE` final state.
+    The extract stage redoes a part whose marker fails this instead of skipping it."""
+    return not stats.get("store_final_state", True) or stats.get(FINAL_STATE_META) == FINAL_STATE
+
+
 def load_hidden_states(
     run_dir: Path, index_row: Mapping[str, Any], *, verify: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(input_ids [T] int32, aux [T, 3H], final [T, H] or None for aux-only runs) of one index row, reading
-    only its slice of the shard.
+    """(input_ids [T] int32, aux [T, 3H], final [T, H] pre-norm or None for aux-only runs) of one index row,
+    reading only its slice of the shard. A shard that does not declare the pre-norm final state is refused.
 
     `verify` re-runs the write-time checks (shape, dtype, finite) so a corrupted or mismatched shard fails
     here, naming the sample, rather than inside a training step.
@@ -303,6 +331,7 @@ def load_hidden_states(
     path = Path(run_dir) / HIDDEN_DIR / str(index_row["shard"])
     with safe_open(str(path), framework="pt") as fh:
         keys = set(fh.keys())
+        check_shard_meaning(path, fh.metadata(), FINAL_KEY in keys)
         ids = fh.get_slice(IDS_KEY)[offset : offset + length]
         aux = fh.get_slice(AUX_KEY)[offset : offset + length]
         final = fh.get_slice(FINAL_KEY)[offset : offset + length] if FINAL_KEY in keys else None

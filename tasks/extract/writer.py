@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from tasks.common.errors import CaptureMismatchError
-from tasks.common.shards import fsync_dir
+from tasks.common.shards import fsync_dir, shared_file_mode
 from tasks.extract.storage import (
     AUX_KEY,
     FINAL_KEY,
@@ -231,6 +231,7 @@ class ShardStreamWriter:
             path = self.root / spec.name
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.fchmod(fd, shared_file_mode())
             shard = _OpenShard(fd, Path(tmp), spec.samples)
             self._open[index] = shard
             _pwrite_all(fd, memoryview(spec.header), 0)

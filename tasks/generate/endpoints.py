@@ -201,7 +201,7 @@ def _parse_chat(cfg: PipelineConfig, body: dict[str, Any]) -> GenerationResult:
     if not isinstance(message, dict):
         raise MalformedResponseError("chat response choice has no message object")
     reasoning = message.get("reasoning")
-    if reasoning is None:
+    if reasoning is None or (reasoning == "" and message.get("reasoning_content")):  # "" must not hide it
         reasoning = message.get("reasoning_content")
     raw_usage = body.get("usage")
     usage: dict[str, Any] = raw_usage if isinstance(raw_usage, dict) else {}
@@ -285,7 +285,7 @@ class StreamAssembler:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 piece = delta.get("reasoning")
-                if piece is None:
+                if piece is None or (piece == "" and delta.get("reasoning_content")):
                     piece = delta.get("reasoning_content")
                 if isinstance(piece, str):
                     self.reasoning.append(piece)

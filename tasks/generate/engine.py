@@ -516,6 +516,10 @@ def _run_blocking(coro: Coroutine[Any, Any, _Run]) -> _Run:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False  # asyncio.run outside the except block: its errors must not chain "no running event loop"
+    else:
+        running = True
+    if not running:
         return asyncio.run(coro)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate") as pool:
         return pool.submit(asyncio.run, coro).result()

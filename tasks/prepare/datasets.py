@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.common.config import DatasetConfig, PipelineConfig
-from tasks.common.errors import ConfigError
+from tasks.common.errors import ConfigError, EmptyInputError
 from tasks.common.messages import ROLES, Message, prompt_messages, response_sample_id, sample_id
 from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, atomic_write_text, done_parts, read_part, write_part
@@ -178,7 +178,8 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
     """Write parts for samples not prepared yet; existing parts are never rewritten.
 
     Rerunning on unchanged inputs is a no-op; rerunning after a dataset grew (a nightly "extend" run) appends
-    parts holding only the new samples, so everything downstream of the old parts stays valid.
+    parts holding only the new samples, so everything downstream of the old parts stays valid. A dataset with
+    no valid row is an `EmptyInputError` (after the quarantine file, which says why, is written).
     """
     stage_dir = cfg.run_dir / "prompts"
     manifest_path = stage_dir / MANIFEST
@@ -253,6 +254,13 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
 
     all_parts = sorted(p for c in counts.values() for p in c.parts)
     atomic_write_text(stage_dir / QUARANTINE, "".join(line + "\n" for line in quarantine))
+    empty = [ds for ds in cfg.datasets if counts[ds.name].kept == 0]
+    if empty:
+        ds, c = empty[0], counts[empty[0].name]
+        raise EmptyInputError(
+            f"dataset {ds.name}: no valid rows in {ds.path} ({c.rows_read} rows read, {c.quarantined} quarantined; "
+            f"reasons in {stage_dir / QUARANTINE})"
+        )
     manifest = {
         "fingerprint": fingerprint,
         "parts": all_parts,

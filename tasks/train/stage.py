@@ -3,10 +3,12 @@
 `train_run(run_dir, options)`:
 
 1. exports the run's hidden states in speculators' offline layout through the export stage's public entry point
-   (`export_run(run_dir, "speculators", <out>/export)`, itself resumable);
+   (`export_run(run_dir, "speculators", <out>/export, ...)`, itself resumable; validation split by prompt);
 2. resolves the verifier (the target model directory the states were extracted from, recorded in the
-   hidden-states provenance) and the aux layer ids in speculators' convention (`extract_layers` + 1: its id k is
-   the input of decoder layer k, ours the output of layer k);
+   hidden-states provenance); the export's manifest gives the aux layer ids in speculators' convention
+   (`extract_layers` + 1: its id k is the input of decoder layer k, ours the output of layer k), the
+   `train_data_ratio` that puts exactly the export's training prompts first, and the draft-vocabulary files
+   (`token_freq.pt`, `d2t-N.npy` / `t2d-N.npy` built with speculators' own utility);
 3. calls speculators' `train.cli.main` with a `TrainConfig` built from `TrainOptions`, under `cpu_trainer()` when
    no accelerator exists (see `cpu_shim`), capturing the trainer's own metric records;
 4. writes `<out>/train_summary.json` (atomically) naming the checkpoint directory, which loads with
@@ -52,7 +54,8 @@ class TrainOptions:
     ttt_steps: int = 3
     num_layers: int = 1
     total_seq_len: int = 2048
-    train_data_ratio: float = 0.9
+    val_fraction: float = 0.05
+    """share of prompts the export holds out (by prompt hash); the trainer validates on them, evaluate walks them"""
     seed: int = 0
     draft_vocab_size: int | None = 32000
     draft_attn_impl: str | None = None
@@ -101,6 +104,21 @@ def resolve_verifier(run_dir: Path, options: TrainOptions) -> tuple[Path, list[i
     return verifier, speculators_layer_ids(layers)
 
 
+def export_trainer_arguments(export_dir: Path) -> dict[str, Any]:
+    """What the export says speculators' trainer must be told (layer ids in its convention, the split ratio that
+    puts exactly the export's training rows first); a validation split is required (evaluate reads it)."""
+    from tasks.export.progress import MANIFEST
+
+    manifest = json.loads((Path(export_dir) / MANIFEST).read_text())
+    args: dict[str, Any] = dict(manifest["trainer"])
+    if not manifest["validation"]["samples"] or float(args["train_data_ratio"]) >= 1.0:
+        raise TrainError(
+            f"the export in {export_dir} holds no validation prompts (validation fraction "
+            f"{manifest['validation']['fraction']}): raise it so the trainer can validate and evaluate can measure"
+        )
+    return args
+
+
 def checkpoint_dirs(save_path: Path) -> list[Path]:
     """Epoch checkpoints speculators wrote, oldest first (`<save_path>/<epoch>/` with a config.json)."""
     if not save_path.is_dir():
@@ -117,7 +135,7 @@ def latest_checkpoint(out_dir: Path) -> Path:
 
 
 def build_train_config(
-    data_path: Path, save_path: Path, verifier: Path, layer_ids: list[int], o: TrainOptions, token_freq: Path | None
+    data_path: Path, save_path: Path, verifier: Path, trainer_args: dict[str, Any], o: TrainOptions
 ) -> Any:
     from speculators.train.config import TrainConfig
 
@@ -126,14 +144,13 @@ def build_train_config(
         "seed": o.seed,
         "verifier_name_or_path": str(verifier),
         "num_layers": o.num_layers,
-        "target_layer_ids": layer_ids,
+        "target_layer_ids": trainer_args["target_layer_ids"],
         "draft_vocab_size": o.draft_vocab_size,
-        "token_freq_path": str(token_freq) if token_freq is not None else None,
         "draft_attn_impl": o.draft_attn_impl,
         "full_attention_indices": list(range(o.num_layers)),
         "data_path": str(data_path),
         "total_seq_len": o.total_seq_len,
-        "train_data_ratio": o.train_data_ratio,
+        "train_data_ratio": trainer_args["train_data_ratio"],
         "num_workers": 0,
         "on_missing": "raise",
         "loss_implementation": o.loss_implementation,
@@ -197,24 +214,7 @@ def captured_metrics() -> Iterator[MetricRecords]:
         logger.removeHandler(handler)
 
 
-def write_token_freq(export_dir: Path, path: Path) -> Path:
-    """Token frequencies of the loss-masked tokens of every exported row, counted with speculators' own
-    `save_token_frequency_distribution`, as its data preparation does (over the whole dataset, before the
-    train/val split); the trainer builds its d2t / t2d draft-vocabulary maps from it."""
-    if path.is_file():
-        return path
-    from datasets import load_from_disk
-    from speculators.train.vocab_mapping import save_token_frequency_distribution
-
-    data = load_from_disk(str(export_dir)).with_format("torch")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    save_token_frequency_distribution(data, tmp)
-    tmp.replace(path)
-    return path
-
-
-def epochs_for_steps(export_dir: Path, o: TrainOptions) -> int:
+def epochs_for_steps(export_dir: Path, o: TrainOptions, train_data_ratio: float) -> int:
     """How many epochs `max_steps` optimizer steps span, counted with speculators' own batch sampler.
 
     speculators 0.9.0's Trainer ends an epoch at `max_steps` but then starts the next one, which again stops
@@ -227,7 +227,7 @@ def epochs_for_steps(export_dir: Path, o: TrainOptions) -> int:
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     data = load_from_disk(str(export_dir))
-    lengths = list(data.select(range(int(len(data) * o.train_data_ratio))).with_format(None)["seq_len"])
+    lengths = list(data.select(range(int(len(data) * train_data_ratio))).with_format(None)["seq_len"])
     sampler = MultipackDistributedBatchSamplerV2(
         batch_max_length=o.total_seq_len, lengths=lengths, num_replicas=1, rank=0, seed=o.seed
     )
@@ -260,16 +260,22 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
             previous["resumed"] = "finished"
             return previous
     started = time.monotonic()
-    verifier, layer_ids = resolve_verifier(run_dir, opts)
-    export_stats = export_run(run_dir, "speculators", out / EXPORT_DIR)
+    verifier, _ = resolve_verifier(run_dir, opts)
+    export_stats = export_run(
+        run_dir,
+        "speculators",
+        out / EXPORT_DIR,
+        val_fraction=opts.val_fraction,
+        split_seed=opts.seed,
+        draft_vocab_size=opts.draft_vocab_size,
+        target_model=verifier,
+    )
     export_s = time.monotonic() - started
+    trainer_args = export_trainer_arguments(out / EXPORT_DIR)
     save_path = out / CHECKPOINT_DIR
     resumed_from = [p.name for p in checkpoint_dirs(save_path)]
-    token_freq = (
-        write_token_freq(out / EXPORT_DIR, out / "token_freq.pt") if opts.draft_vocab_size is not None else None
-    )
-    epochs = epochs_for_steps(out / EXPORT_DIR, opts)
-    cfg = build_train_config(out / EXPORT_DIR, save_path, verifier, layer_ids, replace(opts, epochs=epochs), token_freq)
+    epochs = epochs_for_steps(out / EXPORT_DIR, opts, trainer_args["train_data_ratio"])
+    cfg = build_train_config(out / EXPORT_DIR, save_path, verifier, trainer_args, replace(opts, epochs=epochs))
     from speculators.train.cli import main as speculators_train
 
     train_started = time.monotonic()
@@ -282,11 +288,11 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
         "out_dir": str(out),
         "checkpoint": str(checkpoint),
         "verifier": str(verifier),
-        "target_layer_ids": layer_ids,
+        "target_layer_ids": trainer_args["target_layer_ids"],
         "speculators_version": _speculators_version(),
         "device": "accelerator" if accelerator_available() else "cpu",
         "options": _jsonable(asdict(opts)),
-        "export": {k: export_stats[k] for k in ("samples", "parts", "bytes_written", "wall_s")},
+        "export": {k: export_stats[k] for k in ("samples", "validation_samples", "parts", "bytes_written", "wall_s")},
         "resumed_from_checkpoints": resumed_from,
         "epochs_run": epochs,
         "steps": len(metrics.train),

@@ -20,14 +20,23 @@ quantization; a dataset served by more than one of them is flagged (`mixed_servi
 quantization and serving stacks, and a drafter trained on a mix learns a target that no single deployment is.
 Gates (`gate_violations`) turn the summary into a pass/fail decision, after the report is written.
 
-Verdict policy (a "fail" sample is excluded from extraction when `extract.skip_failed_validation`):
+Also per sample (`tasks.validate.fidelity`): prompt-token reconciliation (usage.prompt_tokens vs the rebuilt
+prompt: exact / within_tolerance / drift / no_usage), the open tag across the prompt/completion boundary
+(doubled or missing), tool-call markup of every supported family, and whether the answer has boundary
+whitespace (per provider, against reference ids where there are some, it tells a stack that strips).
+
+Verdict policy (a "fail" sample is excluded from extraction when `extract.skip_failed_validation`, a "drop"
+sample always is):
 - fail: a real_difference, or an issue that corrupts the training sequence: the close/open tag or another
-  think marker inside reasoning or content (the split between them is wrong), a special-token string inside
-  the text (it encodes to a control id the model did not emit as text), in the final answer or an earlier
-  regenerated one (`history_*`), a finish_reason outside `validation.allowed_finish_reasons` (the sequence
-  is not a complete turn), or ids that do not decode back to the completion text (`roundtrip_mismatch`).
-- warn: a bpe_artifact, empty reasoning (format has reasoning) or empty content, malformed tool-call text (it
-  is still what the model wrote), or a billing delta beyond `validation.billing_tolerance_frac`.
+  think marker inside reasoning or content (the split between them is wrong), a special-token id inside
+  the reasoning or content beyond the format's own (`<|im_end|>` in the content, a doubled `<think>` across
+  the prompt boundary, ...), in the final answer or an earlier regenerated one (`history_*`), a finish_reason
+  outside `validation.allowed_finish_reasons` (the sequence is not a complete turn), ids that do not decode
+  back to the completion text (`roundtrip_mismatch`); empty reasoning in a thinking format (hidden reasoning,
+  `validation.empty_reasoning`), tool-call markup under `validation.tool_call_policy: fail`.
+- drop: tool-call markup under `tool_call_policy: drop` (excluded, not counted as a failure).
+- warn: a bpe_artifact, empty content, malformed tool-call text, tool-call markup under `keep`, empty reasoning
+  under `empty_reasoning: warn`, prompt-token drift, or a billing delta beyond `validation.billing_tolerance_frac`.
 - pass: everything else.
 """
 
@@ -46,7 +55,7 @@ import pyarrow as pa
 from tasks.common.config import PipelineConfig, ValidationConfig
 from tasks.common.errors import ConfigError, ReconstructionError, ValidationGateError
 from tasks.common.schemas import VALIDATION
-from tasks.common.shards import PartRef, done_parts, read_marker, read_part, write_part
+from tasks.common.shards import PartRef, done_parts, expected_build, is_current, read_marker, read_part, write_part
 from tasks.reconstruct.completion_format import (
     KNOWN_REASONING_TAGS,
     CompletionFormat,
@@ -56,7 +65,19 @@ from tasks.reconstruct.completion_format import (
     normalized_parts,
 )
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
-from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_provenance
+from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_hash, tokenizer_provenance
+from tasks.validate.fidelity import (
+    PROMPT_MATCHES,
+    TOOL_CALL_MARKERS,
+    WhitespaceTally,
+    boundary_issues,
+    has_boundary_whitespace,
+    last_control,
+    prompt_match,
+    tool_call_markup,
+    whitespace_findings,
+    whitespace_only,
+)
 
 TEXT_FAIL_ISSUES = frozenset(
     {
@@ -70,14 +91,34 @@ TEXT_FAIL_ISSUES = frozenset(
         "special_token_in_reasoning",
     }
 )
-FAIL_ISSUES = TEXT_FAIL_ISSUES | {"finish_reason", "roundtrip_mismatch"} | {f"history_{c}" for c in TEXT_FAIL_ISSUES}
-WARN_ISSUES = frozenset({"empty_reasoning", "empty_content", "tool_call_unclosed", "tool_call_invalid_json"})
+FAIL_ISSUES = (
+    TEXT_FAIL_ISSUES
+    | {"finish_reason", "roundtrip_mismatch", "doubled_open_tag", "open_tag_missing"}
+    | {f"history_{c}" for c in TEXT_FAIL_ISSUES}
+)
+WARN_ISSUES = frozenset({"empty_content", "tool_call_unclosed", "tool_call_invalid_json", "prompt_drift"})
 THINK_MARKERS = tuple(tag for pair in KNOWN_REASONING_TAGS for tag in pair)
+# Single control tokens of tool-call markup (every family): handled by `validation.tool_call_policy`, not as stray
+# special tokens.
+TOOL_CALL_TOKENS = frozenset(
+    {
+        *(m for markers in TOOL_CALL_MARKERS.values() for m in markers if not m.startswith("to=")),
+        "</tool_call>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    }
+)
+PROMPT_TAIL = 32
 DIVERGENCE_WINDOW = 3
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_COLUMNS = [
     "sample_id",
     "status",
+    "prompt_tokens",
     "reasoning",
     "content",
     "finish_reason",
@@ -201,6 +242,13 @@ class ControlIds:
         return cls(added, ids_array, open_ids, close_ids, eot, format_ids, pattern)
 
 
+def _text_checked_tokens(fmt: CompletionFormat) -> set[str]:
+    """Control strings whose misplacement another check names (think markers and the format's own open/close
+    tags by text, tool-call markup by policy); every other control id in reasoning or content, the format's
+    end of turn included, is a `special_token_in_*` issue."""
+    return {*THINK_MARKERS, *TOOL_CALL_TOKENS, *(t for t in (fmt.reasoning_open, fmt.reasoning_close) if t)}
+
+
 def special_token_issues(
     fmt: CompletionFormat,
     completion: np.ndarray,
@@ -220,7 +268,7 @@ def special_token_issues(
         expected.update(ids.open_ids)
     if layout.content_start < len(layout.text):
         expected.update(ids.close_ids)
-    tags = {*fmt.special_tokens(), *THINK_MARKERS}
+    tags = _text_checked_tokens(fmt)
     issues = []
     for where, section in sections.items():
         found = Counter(int(t) for t in section[np.isin(section, ids.added_array)])
@@ -236,7 +284,7 @@ def history_issues(fmt: CompletionFormat, history: Sequence[dict[str, Any]] | No
     Those answers carry loss like the final one, so the same text corrupts the sequence there; found by text
     (the tokens row has no per-turn spans), each named `history_<code>:turn N` plus the code's own detail.
     """
-    tags = {*fmt.special_tokens(), *THINK_MARKERS}
+    tags = _text_checked_tokens(fmt)
     issues = []
     for turn, message in enumerate(history or ()):
         if not message["generated"]:
@@ -294,13 +342,32 @@ def billing_delta(billed: int | None, ours: int, tolerance: float) -> tuple[int 
     return delta, frac, abs(frac) > tolerance
 
 
-def verdict(match: str, issues: Sequence[str], billing_flagged: bool) -> str:
+def verdict(match: str, issues: Sequence[str], billing_flagged: bool, vcfg: ValidationConfig | None = None) -> str:
+    vcfg = vcfg or ValidationConfig()
     codes = {issue_code(i) for i in issues}
-    if match == "real_difference" or codes & FAIL_ISSUES:
+    hidden = "empty_reasoning" in codes and vcfg.empty_reasoning == "fail"
+    tools = "tool_call_markup" in codes
+    if match == "real_difference" or codes & FAIL_ISSUES or hidden or (tools and vcfg.tool_call_policy == "fail"):
         return "fail"
-    if match == "bpe_artifact" or codes & WARN_ISSUES or billing_flagged:
+    if tools and vcfg.tool_call_policy == "drop":
+        return "drop"
+    if match == "bpe_artifact" or codes & WARN_ISSUES or billing_flagged or tools or "empty_reasoning" in codes:
         return "warn"
     return "pass"
+
+
+def exclusion_reasons(issues: Sequence[str], match: str, vcfg: ValidationConfig) -> list[str]:
+    """The codes that made a fail/drop verdict (what the report counts as why a sample was excluded)."""
+    codes = dict.fromkeys(issue_code(i) for i in issues)
+    out = ["real_difference"] if match == "real_difference" else []
+    for code in codes:
+        if (
+            code in FAIL_ISSUES
+            or (code == "empty_reasoning" and vcfg.empty_reasoning == "fail")
+            or (code == "tool_call_markup" and vcfg.tool_call_policy != "keep")
+        ):
+            out.append(code)
+    return out
 
 
 def validate_tables(
@@ -327,6 +394,10 @@ def validate_tables(
     prompt_lens = tokens.column("prompt_len").to_pylist()
     reasoning_lens = tokens.column("reasoning_len").to_pylist()
     completions = [flat[offsets[i] + prompt_lens[i] : offsets[i + 1]] for i in range(tokens.num_rows)]
+    prompt_tails = [
+        flat[max(offsets[i], offsets[i] + prompt_lens[i] - PROMPT_TAIL) : offsets[i] + prompt_lens[i]]
+        for i in range(tokens.num_rows)
+    ]
     decoded = backend.decode_batch([c.tolist() for c in completions])
     tol = vcfg.billing_tolerance_frac
 
@@ -339,11 +410,29 @@ def validate_tables(
         layout = completion_layout(fmt, reasoning, content, truncated=finish == "length")
         issues = text_issues(fmt, reasoning, content, finish, vcfg.allowed_finish_reasons)
         issues += special_token_issues(fmt, completions[i], reasoning_lens[i], layout, control)
+        if fmt.has_reasoning:
+            issues += boundary_issues(
+                fmt.open_in_prompt,
+                control.open_ids,
+                control.close_ids,
+                last_control(prompt_tails[i], control.added_array),
+                completions[i][: reasoning_lens[i]],
+            )
+        norm_reasoning, norm_content = normalized_parts(fmt, reasoning, content)
+        issues += tool_call_markup(norm_reasoning, norm_content)
         issues += history_issues(fmt, resp["history"][r], control)
         if decoded[i] != layout.text:
             issues.append("roundtrip_mismatch")
         reference = output_ids[r].as_py() if has_output[r] else None
         ref = compare_reference(backend, completions[i].tolist(), reference, control.end_of_turn_id)
+        if ref.match == "real_difference" and reference is not None:
+            eot = fmt.end_of_turn
+            ours_text, ref_text = decoded[i].removesuffix(eot), backend.decode(reference).removesuffix(eot)
+            if whitespace_only(ours_text, ref_text):
+                issues.append("whitespace_stripped")
+        p_match, p_delta = prompt_match(resp["prompt_tokens"][r], prompt_lens[i], vcfg.prompt_tolerance_tokens)
+        if p_match == "drift":
+            issues.append(f"prompt_drift:{p_delta:+d} tokens")
         ours_len = len(completions[i])
         section = completions[i][: reasoning_lens[i]]
         ours_reasoning = int(len(section) - np.isin(section, control.format_ids).sum())
@@ -353,7 +442,7 @@ def validate_tables(
             {
                 "sample_id": sid,
                 "dataset": datasets[i],
-                "verdict": verdict(ref.match, issues, flagged or r_flagged),
+                "verdict": verdict(ref.match, issues, flagged or r_flagged, vcfg),
                 "reference_match": ref.match,
                 "first_divergence": ref.first_divergence,
                 "divergence_ours": ref.ours,
@@ -370,23 +459,49 @@ def validate_tables(
                 "reasoning_delta_tokens": r_delta,
                 "billing_flagged": flagged or r_flagged,
                 "quantization": resp["quantization"][r],
+                "billed_prompt_tokens": resp["prompt_tokens"][r],
+                "our_prompt_tokens": prompt_lens[i],
+                "prompt_delta_tokens": p_delta,
+                "prompt_match": p_match,
+                "boundary_whitespace": has_boundary_whitespace(norm_reasoning, norm_content),
             }
         )
     verdicts = Counter(row["verdict"] for row in rows)
     matches = Counter(row["reference_match"] for row in rows)
     stats: dict[str, Any] = {
         "rows": len(rows),
-        **{v: verdicts.get(v, 0) for v in ("pass", "warn", "fail")},
+        **{v: verdicts.get(v, 0) for v in ("pass", "warn", "fail", "drop")},
         **{m: matches.get(m, 0) for m in ("exact", "bpe_artifact", "real_difference", "no_reference")},
         "billing_flagged": sum(row["billing_flagged"] for row in rows),
+        "prompt_drift": sum(row["prompt_match"] == "drift" for row in rows),
     }
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
+VALIDATE_CODE_VERSION = 1
+"""Bump when a code change alters the validation rows computed from the same inputs."""
+
+
+def validation_recipe(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, Any]:
+    """What shapes a validation part besides its tokens and responses parts; gate limits are not in it (the
+    gates read the parts, they do not change them)."""
+    vcfg = cfg.validation
+    return {
+        "stage": "validation",
+        "code_version": VALIDATE_CODE_VERSION,
+        "tokenizer_hash": tokenizer_hash(cfg.tokenizer.path),
+        "completion_format": fmt.describe(),
+        "billing_tolerance_frac": vcfg.billing_tolerance_frac,
+        "allowed_finish_reasons": list(vcfg.allowed_finish_reasons),
+    }
+
+
 def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict[str, Any]:
-    """Write `validation/part-NNNNN` for the tokens part with the same index (idempotent)."""
+    """Write `validation/part-NNNNN` for the tokens part with the same index (idempotent; rebuilt when its tokens
+    or responses part changed or its recipe did)."""
     out = PartRef(cfg.run_dir, "validation", part)
-    if out.is_done():
+    build = expected_build(out, validation_recipe(cfg, fmt))
+    if is_current(out, build):
         return {**read_marker(out)["stats"], "reused": True}
     tokenizer = load_tokenizer(cfg.tokenizer)
     tokens = read_part(out.with_stage("tokens"))
@@ -399,7 +514,7 @@ def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict
         "completion_format": fmt.name,
         "validation": cfg.validation.model_dump(mode="json"),
     }
-    write_part(out, table, provenance, stats)
+    write_part(out, table, provenance, stats, build)
     return {**stats, "reused": False}
 
 
@@ -429,12 +544,23 @@ class _Tally:
     ours_reasoning: int = 0
     flagged: int = 0
     completion_tokens: int = 0
+    prompt: Counter[str] | None = None
+    prompt_delta: int = 0
+    excluded: Counter[str] | None = None
+    whitespace: WhitespaceTally | None = None
 
     def __post_init__(self) -> None:
         self.verdicts, self.matches, self.issues = Counter(), Counter(), Counter()
+        self.prompt, self.excluded, self.whitespace = Counter(), Counter(), WhitespaceTally()
 
-    def add_row(self, row: dict[str, Any]) -> None:
+    def add_row(self, row: dict[str, Any], vcfg: ValidationConfig) -> None:
         assert self.verdicts is not None and self.matches is not None and self.issues is not None
+        assert self.prompt is not None and self.excluded is not None and self.whitespace is not None
+        self.prompt[row["prompt_match"] or "no_usage"] += 1
+        self.prompt_delta += row["prompt_delta_tokens"] or 0
+        if row["verdict"] in ("fail", "drop"):
+            self.excluded.update(exclusion_reasons(row["structural_issues"], row["reference_match"], vcfg))
+        self.whitespace.add(row)
         self.samples += 1
         self.verdicts[row["verdict"]] += 1
         self.matches[row["reference_match"]] += 1
@@ -457,8 +583,9 @@ class _Tally:
             "failed_responses": self.failed_responses,
             "failed_rate": _rate(self.failed_responses, self.responses),
             "samples": self.samples,
-            **{v: self.verdicts[v] for v in ("pass", "warn", "fail")},
+            **{v: self.verdicts[v] for v in ("pass", "warn", "fail", "drop")},
             "fail_rate": _rate(self.verdicts["fail"], self.samples),
+            "excluded": self.verdicts["fail"] + self.verdicts["drop"],
             "referenced": referenced,
             **{m: matches[m] for m in ("exact", "bpe_artifact", "real_difference", "no_reference")},
             "exact_rate": _rate(matches["exact"], referenced),
@@ -467,6 +594,22 @@ class _Tally:
             "no_reference_rate": _rate(matches["no_reference"], self.samples),
             "mean_completion_tokens": _rate(self.completion_tokens, self.samples),
         }
+
+    def prompt_reconciliation(self) -> dict[str, Any]:
+        """usage.prompt_tokens vs the rebuilt prompt: counts per class, drift rate over rows with usage."""
+        assert self.prompt is not None
+        with_usage = self.samples - self.prompt["no_usage"]
+        return {
+            **{m: self.prompt[m] for m in PROMPT_MATCHES},
+            "with_usage": with_usage,
+            "drift_rate": _rate(self.prompt["drift"], with_usage),
+            "mean_delta_tokens": _rate(self.prompt_delta, with_usage),
+        }
+
+    def exclusions(self) -> dict[str, int]:
+        """Why fail/drop samples are left out of extraction: reason code -> samples (one sample may have several)."""
+        assert self.excluded is not None
+        return dict(sorted(self.excluded.items()))
 
     def billing(self) -> dict[str, Any]:
         return {
@@ -496,6 +639,9 @@ VALIDATION_SUMMARY_COLUMNS = [
     "billing_flagged",
     "provider",
     "quantization",
+    "prompt_match",
+    "prompt_delta_tokens",
+    "boundary_whitespace",
 ]
 
 
@@ -522,8 +668,8 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
     for ref in done_parts(cfg.run_dir, "validation"):
         for row in read_part(ref, columns=VALIDATION_SUMMARY_COLUMNS).to_pylist():
             key = serving_key(row["provider"], row["quantization"])
-            per.setdefault(row["dataset"], _Tally()).add_row(row)
-            serving.setdefault(row["dataset"], {}).setdefault(key, _Tally()).add_row(row)
+            per.setdefault(row["dataset"], _Tally()).add_row(row, cfg.validation)
+            serving.setdefault(row["dataset"], {}).setdefault(key, _Tally()).add_row(row, cfg.validation)
     summary = []
     for dataset in sorted(per):
         tally = per[dataset]
@@ -539,9 +685,21 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
                 "providers": {k: v.responses for k, v in sorted(by_server.items(), key=lambda kv: -kv[1].responses)},
                 "mixed_serving": len(keys) > 1,
                 "serving": [
-                    {"serving": k, **by_server[k].rates(), "billing_delta_frac": by_server[k].billing()["delta_frac"]}
+                    {
+                        "serving": k,
+                        **by_server[k].rates(),
+                        "billing_delta_frac": by_server[k].billing()["delta_frac"],
+                        "prompt_tokens": by_server[k].prompt_reconciliation(),
+                    }
                     for k in sorted(by_server)
                 ],
+                "prompt_tokens": tally.prompt_reconciliation(),
+                "prompt_tolerance_tokens": cfg.validation.prompt_tolerance_tokens,
+                "exclusion_reasons": tally.exclusions(),
+                "whitespace": whitespace_findings(
+                    {k: v.whitespace for k, v in by_server.items() if v.whitespace is not None},
+                    cfg.validation.whitespace_min_samples,
+                ),
             }
         )
     return summary
@@ -575,6 +733,14 @@ def gate_violations(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> li
                 f"{name}: billed completion tokens {billing['billed_completion_tokens']} vs ours "
                 f"{billing['our_completion_tokens']} (delta {billing['delta_frac']:+.4%}) > max_billing_delta_frac "
                 f"{limit}"
+            )
+        prompt = s.get("prompt_tokens")
+        if prompt and prompt["drift_rate"] > vcfg.max_prompt_drift_rate:
+            crossed.append(
+                f"{name}: prompt-token drift_rate {prompt['drift_rate']:.4f} ({prompt['drift']}/{prompt['with_usage']} "
+                f"rows whose usage.prompt_tokens differs from the rebuilt prompt by more than "
+                f"{vcfg.prompt_tolerance_tokens} tokens; mean delta {prompt['mean_delta_tokens']:+.1f}) > "
+                f"max_prompt_drift_rate {vcfg.max_prompt_drift_rate}"
             )
         if vcfg.fail_on_mixed_providers and s["mixed_serving"]:
             crossed.append(f"{name}: served by a mix of providers/quantizations {s['providers']}")

@@ -24,10 +24,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from tasks.common.schemas import REPORTS_DIR
 from tasks.common.shards import atomic_write_bytes, done_parts, read_part
 
 MATCH_COLORS = {"exact": "#2e7d32", "bpe_artifact": "#f9a825", "real_difference": "#c62828", "no_reference": "#9e9e9e"}
-VERDICT_COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828"}
+VERDICT_COLORS = {"pass": "#2e7d32", "warn": "#f9a825", "fail": "#c62828", "drop": "#757575"}
 LIGHT = frozenset({"bpe_artifact", "no_reference", "warn"})
 LENGTH_COLORS = {"prompt": "#1565c0", "completion": "#6a1b9a", "reasoning": "#ef6c00"}
 DPI = 110
@@ -148,7 +149,9 @@ def plot_mismatch_classes(summary: list[dict[str, Any]], path: Path) -> Path:
         return _save(fig, path)
     match_ax, verdict_ax, issue_ax = fig.subplots(1, 3, width_ratios=(1.2, 1, 1.2))
     _stacked(match_ax, datasets, [{k: s[k] for k in MATCH_COLORS} for s in summary], MATCH_COLORS, "reference match")
-    _stacked(verdict_ax, datasets, [{k: s[k] for k in VERDICT_COLORS} for s in summary], VERDICT_COLORS, "verdict")
+    _stacked(
+        verdict_ax, datasets, [{k: s.get(k, 0) for k in VERDICT_COLORS} for s in summary], VERDICT_COLORS, "verdict"
+    )
     codes = sorted({c for s in summary for c in s["structural_issues"]})
     if codes:
         y = np.arange(len(codes))
@@ -236,8 +239,8 @@ class Plot:
 
 
 def render_plots(run_dir: Path, summary: list[dict[str, Any]], tolerance: float) -> list[Plot]:
-    """Write the report's PNGs under `<run_dir>/validation/plots/` and say what each shows."""
-    out = run_dir / "validation" / "plots"
+    """Write the report's PNGs under `<run_dir>/reports/plots/` and say what each shows."""
+    out = run_dir / REPORTS_DIR / "plots"
     out.mkdir(parents=True, exist_ok=True)
     data = collect_report_data(run_dir)
     return [

@@ -1,9 +1,10 @@
-"""The standalone validation report: written next to the validation parts so it survives without Prefect.
+"""The standalone validation report: written into the run directory so it survives without Prefect.
 
-`validation/summary.json` (machine-readable), `validation/report.md` and `validation/report.html` (one
+`reports/summary.json` (machine-readable), `reports/report.md` and `reports/report.html` (one
 self-contained file: plots embedded, so it can be mailed or opened from an object store), and the plots as
-PNGs under `validation/plots/`. The gate verdict is at the top: the report is written before the gates fail
-the flow, so a failed run always has the page that explains it.
+PNGs under `reports/plots/` (beside `validation/`, which holds only parts and markers). The gate verdict is at
+the top: the report is written before the gates fail the flow, so a failed run always has the page that
+explains it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks.common.schemas import REPORTS_DIR
 from tasks.common.shards import atomic_write_text, done_parts, read_part, read_provenance
 from tasks.validate.plots import Plot, render_plots
 
@@ -34,6 +36,20 @@ OVERVIEW_COLUMNS = (
 )
 RATE_KEYS = frozenset({"failed_rate", "exact_rate", "bpe_artifact_rate", "real_difference_rate", "fail_rate"})
 EXAMPLES = 5
+PROMPT_NOTE = (
+    "usage.prompt_tokens against the length of the prompt rebuilt with the chat template: drift means the provider "
+    "rendered another prompt (a default system prompt, an injected date, another template revision), so the "
+    "hidden states would be computed on a context the model did not see."
+)
+EXCLUDED_NOTE = (
+    "Samples extraction and exports leave out: verdict fail (with extract.skip_failed_validation) or drop "
+    "(validation.tool_call_policy: drop), by the reason codes that decided it."
+)
+WHITESPACE_NOTE = (
+    "Answers with leading/trailing whitespace on reasoning or content, per provider. 'stripped': reference ids "
+    "differ from ours only in whitespace; 'suspect': none of the provider's answers has any while another "
+    "provider's do; 'unverified': none has any and there are no reference ids to tell."
+)
 
 
 def _cell(key: str, value: Any) -> str:
@@ -67,6 +83,10 @@ def overview_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"{billing['reasoning_delta_frac']:+.3%}" if billing["billed_reasoning_tokens"] else "n/a"
         )
         row["billing flagged"] = str(billing["flagged_samples"])
+        prompt = s.get("prompt_tokens")
+        if prompt:
+            row["prompt tokens exact/tol/drift"] = f"{prompt['exact']}/{prompt['within_tolerance']}/{prompt['drift']}"
+        row["excluded"] = str(s.get("excluded", s["fail"]))
         row["serving"] = ("MIXED: " if s["mixed_serving"] else "") + ", ".join(
             f"{k} ({v})" for k, v in s["providers"].items()
         )
@@ -80,6 +100,64 @@ def _serving_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {"dataset": s["dataset"], "serving": r["serving"], **{k: _cell(k, r[k]) for k in keys}}
         for s in summary
         for r in s["serving"]
+    ]
+
+
+def prompt_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prompt-token reconciliation per dataset and serving provider (usage.prompt_tokens vs the rebuilt prompt)."""
+    rows = []
+    for s in summary:
+        tolerance = s.get("prompt_tolerance_tokens")
+        for serving, p in [
+            ("all", s.get("prompt_tokens")),
+            *((r["serving"], r.get("prompt_tokens")) for r in s["serving"]),
+        ]:
+            if not p:
+                continue
+            rows.append(
+                {
+                    "dataset": s["dataset"],
+                    "serving": serving,
+                    "exact": p["exact"],
+                    f"within ±{tolerance}": p["within_tolerance"],
+                    "drift": p["drift"],
+                    "no usage": p["no_usage"],
+                    "drift rate": f"{p['drift_rate']:.2%}",
+                    "mean delta tokens": f"{p['mean_delta_tokens']:+.2f}",
+                }
+            )
+    return rows
+
+
+def exclusion_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Samples left out of extraction per dataset (verdict fail or drop) and the reasons (a sample may have
+    several)."""
+    return [
+        {
+            "dataset": s["dataset"],
+            "excluded": s.get("excluded", s["fail"]),
+            "fail": s["fail"],
+            "drop (policy)": s.get("drop", 0),
+            "reasons": ", ".join(f"{k}: {v}" for k, v in s.get("exclusion_reasons", {}).items()) or "none",
+        }
+        for s in summary
+    ]
+
+
+def whitespace_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the boundary-whitespace check found per dataset and serving provider."""
+    return [
+        {
+            "dataset": s["dataset"],
+            "serving": w["serving"],
+            "answers": w["answers"],
+            "with boundary whitespace": f"{w['boundary_whitespace_rate']:.1%}",
+            "whitespace-only reference differences": w["whitespace_stripped"],
+            "finding": w["finding"],
+            "detail": w["detail"],
+        }
+        for s in summary
+        for w in s.get("whitespace", [])
     ]
 
 
@@ -121,6 +199,9 @@ def _markdown(
     for plot in plots:
         lines += [f"## {plot.title}", "", plot.caption, "", f"![{plot.title}](plots/{plot.path.name})", ""]
     lines += ["## Serving providers", "", markdown_table(_serving_rows(summary))]
+    lines += ["## Prompt-token reconciliation", "", PROMPT_NOTE, "", markdown_table(prompt_rows(summary))]
+    lines += ["## Excluded samples", "", EXCLUDED_NOTE, "", markdown_table(exclusion_rows(summary))]
+    lines += ["## Whitespace", "", WHITESPACE_NOTE, "", markdown_table(whitespace_rows(summary))]
     if extra["examples"]:
         lines += ["## First real differences", "", markdown_table(extra["examples"])]
     if extra["format"]:
@@ -176,6 +257,9 @@ def _html(
         "<h2>Overview</h2>" + _html_table(overview_rows(summary)),
         *figures,
         "<h2>Serving providers</h2>" + _html_table(_serving_rows(summary)),
+        f"<h2>Prompt-token reconciliation</h2><p>{html.escape(PROMPT_NOTE)}</p>" + _html_table(prompt_rows(summary)),
+        f"<h2>Excluded samples</h2><p>{html.escape(EXCLUDED_NOTE)}</p>" + _html_table(exclusion_rows(summary)),
+        f"<h2>Whitespace</h2><p>{html.escape(WHITESPACE_NOTE)}</p>" + _html_table(whitespace_rows(summary)),
         "<h2>First real differences</h2>" + _html_table(extra["examples"]),
         "<h2>Completion format and tokenizer</h2>" + _html_table([extra["format"]] if extra["format"] else []),
     ]
@@ -189,7 +273,10 @@ def artifact_markdown(report: Path, summary: list[dict[str, Any]], violations: l
     """The short form for the Prefect UI: gate status, the overview table, and where the full report is."""
     status = "**Validation gates crossed**" if violations else "All validation gates passed"
     lines = [f"# Validation: {status}", "", *[f"- {v}" for v in violations], ""]
-    lines += [markdown_table(overview_rows(summary)), f"Full report with plots: `{report}`"]
+    lines += [markdown_table(overview_rows(summary))]
+    lines += ["## Prompt-token reconciliation", "", markdown_table(prompt_rows(summary))]
+    lines += ["## Excluded samples", "", markdown_table(exclusion_rows(summary))]
+    lines += [f"Full report with plots: `{report}`"]
     return "\n".join(lines)
 
 
@@ -200,7 +287,7 @@ def write_validation_report(
     billing_tolerance_frac: float = 0.02,
 ) -> Path:
     """Write summary.json, the plots, report.md and report.html; returns the HTML report's path."""
-    out = run_dir / "validation"
+    out = run_dir / REPORTS_DIR
     violations = list(violations or [])
     payload = {"gates_crossed": violations, "datasets": summary}
     atomic_write_text(out / "summary.json", json.dumps(payload, indent=2, sort_keys=True, default=str))

@@ -1,0 +1,130 @@
+"""The one exit-code table every `eagle3-datagen` command uses, and the one-line message for each error a user can
+act on. A user error is never a traceback: `--debug` brings it back.
+
+Add a command: return an `ExitCode`, raise a `DatagenError` subclass (or let one through); `flows.cli.main` turns
+anything raised into `error_line(exc)` on stderr and `exit_code_for(exc)`. No Prefect import here.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    INTERNAL = 1
+    USER = 2
+    BUDGET = 3
+    ENDPOINT = 4
+    GATES = 5
+    STAGES_DISAGREE = 6
+
+
+EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.OK: "finished (a sample that failed is a row with its reason, not an error)",
+    ExitCode.INTERNAL: "internal error: a bug; rerun with --debug and report the traceback",
+    ExitCode.USER: "fix the input: config, dataset, tokenizer, run directory, disk space, permissions, missing outputs",
+    ExitCode.BUDGET: "budget: stopped at endpoint.max_cost_usd, or the estimate's low end already exceeds it",
+    ExitCode.ENDPOINT: "endpoint unavailable or refusing the run (unreachable, 401/403/404, 402 no credit)",
+    ExitCode.GATES: "validation gates crossed (failed samples or mismatches beyond validation.* limits)",
+    ExitCode.STAGES_DISAGREE: "stages disagree: the run directory's stages do not hold the same samples (status)",
+}
+
+
+def exit_code_table() -> str:
+    """The table as `--help` and the README print it."""
+    return "\n".join(f"  {int(code)}  {text}" for code, text in EXIT_CODE_MEANINGS.items())
+
+
+def _is_validation_error(exc: BaseException) -> bool:
+    from pydantic import ValidationError
+
+    return isinstance(exc, ValidationError)
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The documented code for an exception that ended a command; INTERNAL for anything not a user's to fix."""
+    from tasks.common.errors import (
+        ConfigError,
+        DatagenError,
+        EndpointUnavailableError,
+        FatalEndpointError,
+        InsufficientSpaceError,
+        SchemaMismatchError,
+        SpecialTokenError,
+        ValidationGateError,
+    )
+    from tasks.estimate.errors import EstimateOverBudgetError
+    from tasks.export.errors import ExportError
+
+    if isinstance(exc, EstimateOverBudgetError):
+        return ExitCode.BUDGET
+    if isinstance(exc, FatalEndpointError | EndpointUnavailableError):
+        return ExitCode.ENDPOINT
+    if isinstance(exc, ValidationGateError):
+        return ExitCode.GATES
+    if isinstance(
+        exc, ConfigError | SchemaMismatchError | SpecialTokenError | InsufficientSpaceError | ExportError
+    ) or _is_validation_error(exc):
+        return ExitCode.USER
+    if isinstance(exc, PermissionError | FileNotFoundError | IsADirectoryError | NotADirectoryError):
+        return ExitCode.USER
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        return ExitCode.USER
+    if isinstance(exc, DatagenError):
+        return ExitCode.USER
+    if _is_transport_error(exc):
+        return ExitCode.ENDPOINT
+    return ExitCode.INTERNAL
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    import aiohttp
+    import httpx
+
+    return isinstance(exc, aiohttp.ClientConnectionError | httpx.TransportError | ConnectionError)
+
+
+def _config_error_line(exc: BaseException) -> str:
+    """Pydantic echoes offending input values (an api_key typo must not reach the terminal): locations only."""
+    from pydantic import ValidationError
+
+    assert isinstance(exc, ValidationError)
+    problems = [
+        f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors(include_input=False)
+    ]
+    return f"invalid config ({exc.title}): " + "; ".join(problems)
+
+
+def _os_error_line(exc: OSError) -> str:
+    where = f" {exc.filename}" if exc.filename else ""
+    hints = {
+        errno.EACCES: "check the permissions of that path (or choose another run_dir)",
+        errno.EPERM: "check the permissions of that path (or choose another run_dir)",
+        errno.EROFS: "the file system is read-only: choose a writable run_dir",
+        errno.ENOSPC: "the disk is full: free space or choose a run_dir on a larger disk",
+        errno.EDQUOT: "the disk quota is exhausted: free space or choose another run_dir",
+        errno.ENOENT: "it does not exist: check the path in the config",
+        errno.EISDIR: "that is a directory, a file was expected",
+        errno.ENOTDIR: "a part of that path is not a directory",
+    }
+    hint = hints.get(exc.errno or 0, "")
+    return f"cannot use{where}: {exc.strerror or exc}" + (f"; {hint}" if hint else "")
+
+
+def error_line(exc: BaseException, redact: Callable[[str], str] = str) -> str:
+    """One line naming what went wrong and what to change; the API key (if `redact` knows it) never shows."""
+    code = exit_code_for(exc)
+    if _is_validation_error(exc):
+        text = _config_error_line(exc)
+    elif isinstance(exc, OSError) and code is ExitCode.USER and exc.errno is not None:
+        text = _os_error_line(exc)
+    elif code is ExitCode.INTERNAL:
+        text = f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
+    elif code is ExitCode.ENDPOINT and not str(exc):
+        text = f"endpoint unavailable: {type(exc).__name__}"
+    else:
+        text = str(exc)
+    return "error: " + " ".join(redact(text).split())

@@ -1,0 +1,98 @@
+"""Which parts of each stage a (re)run must build: the ones missing, or stale against their inputs or recipe.
+
+Decisions read completion markers only (fingerprints recorded at write time), never the Parquet files, so a
+no-op rerun of a finished run directory costs O(parts) small JSON reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tasks.common.config import PipelineConfig
+from tasks.common.shards import (
+    PartRef,
+    atomic_write_text,
+    done_parts,
+    expected_build,
+    fingerprint,
+    is_current,
+    read_marker,
+    recipe_digest,
+)
+from tasks.reconstruct.completion_format import CompletionFormat
+from tasks.reconstruct.stage import tokens_recipe
+from tasks.validate.checks import validation_recipe
+
+
+def responses_complete(run_dir: Path, part: int) -> bool:
+    """The responses part exists, was built from the current prompts part, and every row of it is done: a rerun
+    has nothing to send for it. Markers from before `status_counts` was recorded never count as complete."""
+    ref = PartRef(run_dir, "responses", part)
+    if not is_current(ref, expected_build(ref)):
+        return False
+    counts = read_marker(ref).get("status_counts")
+    return isinstance(counts, dict) and set(counts) <= {"done"}
+
+
+def generate_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
+    """Prompts parts whose responses part is missing, stale or holds rows that are not done."""
+    return [p for p in parts if not responses_complete(cfg.run_dir, p)]
+
+
+def tokens_todo(cfg: PipelineConfig, fmt: CompletionFormat, parts: list[int]) -> list[int]:
+    recipe = tokens_recipe(cfg, fmt)
+    return [p for p in parts if not is_current(ref := PartRef(cfg.run_dir, "tokens", p), expected_build(ref, recipe))]
+
+
+def validation_todo(cfg: PipelineConfig, fmt: CompletionFormat, parts: list[int]) -> list[int]:
+    recipe = validation_recipe(cfg, fmt)
+    return [
+        p for p in parts if not is_current(ref := PartRef(cfg.run_dir, "validation", p), expected_build(ref, recipe))
+    ]
+
+
+def hidden_states_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
+    from tasks.extract.stage import hidden_states_current  # torch: imported only where extraction is planned
+
+    return [p for p in parts if not hidden_states_current(cfg, p)]
+
+
+def recipe_digests(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, str | None]:
+    """Stage -> recipe digest a current part must record, for `status` to tell config-stale parts too."""
+    from tasks.extract.stage import hidden_states_recipe
+
+    return {
+        "tokens": recipe_digest(tokens_recipe(cfg, fmt)),
+        "validation": recipe_digest(validation_recipe(cfg, fmt)),
+        "hidden_states": recipe_digest(hidden_states_recipe(cfg)),
+    }
+
+
+REPORT_STAMP = "_report_inputs.json"
+"""In the run directory: the inputs key of the last validation report written, and where it was written."""
+
+
+def report_key(run_dir: Path, settings: dict[str, Any]) -> str:
+    """What the validation report is computed from: every finished responses/tokens/validation part's fingerprint
+    and the settings (gates, tolerance) it reports against."""
+    fps = {
+        stage: [fingerprint(r) for r in done_parts(run_dir, stage)] for stage in ("responses", "tokens", "validation")
+    }
+    return recipe_digest({"parts": fps, "settings": settings})
+
+
+def reusable_report(run_dir: Path, key: str) -> Path | None:
+    """The report written from exactly these inputs, if it is still there: a no-op rerun does not redraw plots."""
+    stamp = run_dir / REPORT_STAMP
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+    report = Path(recorded.get("report", ""))
+    return report if recorded.get("key") == key and report.is_file() else None
+
+
+def record_report(run_dir: Path, key: str, report: Path) -> None:
+    atomic_write_text(run_dir / REPORT_STAMP, json.dumps({"key": key, "report": str(report)}))

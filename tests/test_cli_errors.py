@@ -1,0 +1,253 @@
+"""Every command with every bad input a user makes: one line on stderr, the documented exit code
+(flows/exit_codes.py), no traceback, and nothing already in the run directory lost or changed.
+
+`generate`, `estimate` and `export` run in this process through `flows.cli.main` (what the console script
+calls); `run` runs as a real subprocess, so Prefect's own logging is the one a user sees, against the session's
+Prefect test server instead of starting its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from endpoint_sim.server import SimConfig, SimulatorServer
+from flows.exit_codes import EXIT_CODE_MEANINGS, ExitCode
+from tests.conftest import DEMO_DATA, REPO
+
+API_KEY = "sk-errors-test-4b1d-never-printed"
+ENTRY = "import sys; from flows.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.fixture(scope="module")
+def sim(tokenizer_dir: Path) -> Iterator[SimulatorServer]:
+    with SimulatorServer(tokenizer_dir, SimConfig(required_api_key=API_KEY)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prefect_api(prefect_harness: None) -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return str(PREFECT_API_URL.value())
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def write_config(root: Path, sim: SimulatorServer, tokenizer_dir: Path, **changes: Any) -> Path:
+    config: dict[str, Any] = {
+        "run_dir": str(root / "run"),
+        "samples_per_shard": 4,
+        "datasets": [{"name": "B1", "path": str(DEMO_DATA / "demo_b1.jsonl"), "max_samples": 4}],
+        "endpoint": {
+            "kind": "sglang_generate",
+            "base_url": sim.base_url,
+            "model": "sim/tiny",
+            "api_key_env": "EAGLE3_TEST_KEY",
+            "max_in_flight": 4,
+            "backoff_base_s": 0.01,
+            "backoff_max_s": 0.05,
+        },
+        "sampling": {"max_tokens": 256},
+        "tokenizer": {"path": str(tokenizer_dir)},
+        "extract": {"enabled": False},
+    }
+    for dotted, value in changes.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Finished work: every part, chunk and marker (a manifest may be rewritten; finished data never)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and (p.suffix == ".parquet" or p.parent.name == "_done" or p.suffix in (".yaml", ".jsonl"))
+    }
+
+
+def cli(*args: str, prefect_api: str | None = None, key: str = API_KEY) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(EAGLE3_TEST_KEY=key, PYTHONPATH=str(REPO), COLUMNS="200")
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
+    cmd = [sys.executable, "-c", ENTRY, *args]
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def call(capsys: pytest.CaptureFixture[str], *args: str, key: str = API_KEY) -> subprocess.CompletedProcess[str]:
+    """`main(args)` in this process, as the console script runs it; stdout and stderr captured."""
+    from flows import cli as cli_module
+
+    os.environ["EAGLE3_TEST_KEY"] = key
+    capsys.readouterr()
+    try:
+        code = cli_module.main(list(args))
+    finally:
+        cli_module._SECRETS.clear()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: ExitCode, *needles: str) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}\nstdout:\n{result.stdout[-3000:]}"
+    assert result.returncode == code, (result.returncode, lines[0])
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr + result.stdout
+    assert API_KEY not in result.stderr + result.stdout
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def _bad_inputs(root: Path, sim: SimulatorServer, tokenizer_dir: Path) -> dict[str, tuple[Path, ExitCode, str]]:
+    """name -> (config, expected code, a word the message must contain); each config in its own folder."""
+    cases: dict[str, tuple[dict[str, Any], ExitCode, str]] = {
+        "config typo": ({"endpoint.max_inflight": 4}, ExitCode.USER, "endpoint.max_inflight"),
+        "missing dataset": ({"datasets": [{"name": "B1", "path": str(root / "nope.jsonl")}]}, ExitCode.USER, "nope"),
+        "dead endpoint": ({"endpoint.base_url": _dead_url()}, ExitCode.ENDPOINT, "unreachable"),
+        "empty dataset": ({"datasets": [{"name": "E", "path": "EMPTY"}]}, ExitCode.USER, "no rows"),
+        "all rows quarantined": ({"datasets": [{"name": "Q", "path": "GARBAGE"}]}, ExitCode.USER, "quarantined"),
+        "run_dir under a file": ({"run_dir": "FILE/run"}, ExitCode.USER, "is a file"),
+    }
+    out = {}
+    for name, (changes, code, needle) in cases.items():
+        folder = root / name.replace(" ", "-")
+        folder.mkdir()
+        (folder / "empty.jsonl").write_text("")
+        (folder / "garbage.jsonl").write_text('{"nope": 1}\nnot json\n{"messages": []}\n')
+        (folder / "file").write_text("I am a file")
+        resolved: dict[str, Any] = {}
+        for key, value in changes.items():
+            text = json.dumps(value)
+            text = text.replace('"EMPTY"', json.dumps(str(folder / "empty.jsonl")))
+            text = text.replace('"GARBAGE"', json.dumps(str(folder / "garbage.jsonl")))
+            text = text.replace('"FILE/run"', json.dumps(str(folder / "file" / "run")))
+            resolved[key] = json.loads(text)
+        out[name] = (write_config(folder, sim, tokenizer_dir, **resolved), code, needle)
+    return out
+
+
+def test_generate_and_estimate_with_each_bad_input(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, (config, code, needle) in _bad_inputs(tmp_path, sim, tokenizer_dir).items():
+        before = snapshot(config.parent)
+        assert_one_line_error(call(capsys, "generate", str(config), "--no-progress"), code, needle)
+        if name not in ("dead endpoint", "run_dir under a file"):  # estimate neither sends nor writes
+            assert_one_line_error(call(capsys, "estimate", str(config)), code, needle)
+        after = snapshot(config.parent)
+        assert all(after.get(path) == digest for path, digest in before.items()), f"{name}: files changed"
+
+
+def test_a_refused_key_and_an_unwritable_run_dir(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = write_config(
+        tmp_path,
+        sim,
+        tokenizer_dir,
+        **{"datasets": [{"name": "B1", "path": str(DEMO_DATA / "demo_b1.jsonl"), "max_samples": 2}]},
+    )
+    assert call(capsys, "generate", str(first), "--no-progress").returncode == 0
+    before = snapshot(tmp_path / "run")
+    more = write_config(tmp_path, sim, tokenizer_dir)  # two more samples to send, to a key the endpoint refuses
+    refused = call(capsys, "generate", str(more), "--no-progress", key="sk-wrong")
+    assert_one_line_error(refused, ExitCode.ENDPOINT, "401")
+    after = snapshot(tmp_path / "run")
+    assert all(after.get(path) == digest for path, digest in before.items()), "finished work lost"
+    bad_set = call(capsys, "generate", str(more), "--set", "endpoint.max_in_flight")
+    assert_one_line_error(bad_set, ExitCode.USER, "KEY=VALUE")
+    if os.geteuid() != 0:  # root writes through any mode bits; "run_dir under a file" covers it there
+        (tmp_path / "run").chmod(0o555)
+        try:
+            locked = call(capsys, "generate", str(more), "--no-progress")
+            assert_one_line_error(locked, ExitCode.USER, "writable")
+        finally:
+            (tmp_path / "run").chmod(0o755)
+
+
+def test_export_without_hidden_states(
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_config(tmp_path, sim, tokenizer_dir)
+    assert call(capsys, "generate", str(config), "--no-progress").returncode == 0
+    before = snapshot(tmp_path / "run")
+    for run_dir in (tmp_path / "run", tmp_path / "missing"):
+        result = call(capsys, "export", str(run_dir), "--format", "speculators", "--out", str(tmp_path / "out"))
+        assert_one_line_error(result, ExitCode.USER, str(run_dir))
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_run_stops_before_prefect_on_what_a_preflight_can_see(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config typo, a missing dataset, a dead endpoint, an unusable run_dir: `run` says so before it starts a
+    Prefect server (or imports Prefect's flow machinery), so in this process is where a user would see it."""
+    cases = _bad_inputs(tmp_path, sim, tokenizer_dir)
+    saved = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
+    try:
+        for name in ("config typo", "missing dataset", "dead endpoint", "run_dir under a file"):
+            config, code, needle = cases[name]
+            before = snapshot(config.parent)
+            assert_one_line_error(call(capsys, "run", str(config), "--no-progress"), code, needle)
+            assert snapshot(config.parent) == before, f"{name}: files changed"
+    finally:  # cmd_run sets Prefect's environment defaults for the flow it would have started
+        for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+            if key not in saved:
+                del os.environ[key]
+        os.environ.update(saved)
+
+
+def test_run_reports_prefect_failures_as_one_line(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, prefect_api: str
+) -> None:
+    """Through the Prefect flow, as a real process: a 401 (once a misleading 'no running event loop' and 2-9
+    tracebacks) and an input whose rows are all quarantined."""
+    config, code, needle = _bad_inputs(tmp_path, sim, tokenizer_dir)["all rows quarantined"]
+    before = snapshot(config.parent)
+    assert_one_line_error(cli("run", str(config), "--no-progress", prefect_api=prefect_api), code, needle)
+    after = snapshot(config.parent)
+    assert all(after.get(path) == digest for path, digest in before.items()), "files changed"
+    ok = write_config(tmp_path, sim, tokenizer_dir)
+    refused = cli("run", str(ok), "--no-progress", prefect_api=prefect_api, key="sk-wrong")
+    assert_one_line_error(refused, ExitCode.ENDPOINT, "401")
+    assert "no running event loop" not in refused.stdout
+
+
+def test_help_documents_the_exit_codes_and_every_option() -> None:
+    from flows.cli import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    for code, meaning in EXIT_CODE_MEANINGS.items():
+        assert f"{int(code)}  {meaning}" in text
+    readme = (REPO / "README.md").read_text()
+    assert all(f"| {int(code)} |" in readme for code in EXIT_CODE_MEANINGS), "README's exit-code table"
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    for name, sub in subparsers.choices.items():  # type: ignore[union-attr]
+        assert "exit codes" in sub.format_help(), name
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("eagle3-datagen ")

@@ -1,0 +1,148 @@
+"""`eagle3-datagen estimate` against the real simulator: exact prompt tokens, a cost within 10% of what the run
+then records, nothing sent to the endpoint, prices from the models listing, and the refusal above the cap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from endpoint_sim.server import SimulatorServer
+from flows.cli import demo_config_path, generate_without_prefect, main
+from tasks.common.config import PipelineConfig, load_config
+from tasks.common.shards import done_parts, read_part
+from tasks.estimate.errors import EstimateOverBudgetError
+from tasks.estimate.estimate import check_budget, estimate_run
+
+
+def _overrides(run_dir: Path, sim: SimulatorServer, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
+    return {
+        "run_dir": str(run_dir),
+        "endpoint.base_url": sim.base_url,
+        "tokenizer.path": str(tokenizer_dir),
+        "extract.enabled": False,
+        **extra,
+    }
+
+
+def _set_args(overrides: dict[str, Any]) -> list[str]:
+    return [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+
+
+def _recorded(run_dir: Path) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for ref in done_parts(run_dir, "responses"):
+        for row in read_part(ref, ["dataset", "cost_usd", "prompt_tokens"]).to_pylist():
+            d = out.setdefault(row["dataset"], {"cost_usd": 0.0, "prompt_tokens": 0})
+            d["cost_usd"] += row["cost_usd"] or 0.0
+            d["prompt_tokens"] += row["prompt_tokens"] or 0
+    return out
+
+
+def _completion_requests(sim: SimulatorServer) -> int:
+    stats = sim.stats()
+    return int(stats["total_requests"]) + sum(n for r, n in stats["by_route"].items() if r != "models_listing")
+
+
+def test_demo_estimate_is_within_10_percent_of_the_run_and_sends_nothing(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # an earlier run of the same config with another seed: the observed completion lengths and latencies
+    earlier = load_config(
+        demo_config_path(), _overrides(tmp_path / "earlier", sim, tokenizer_dir, **{"sampling.seed": 1})
+    )
+    generate_without_prefect(earlier)
+
+    sim.reset_stats()
+    overrides = _overrides(tmp_path / "run", sim, tokenizer_dir)
+    code = main(
+        ["estimate", str(demo_config_path()), *_set_args(overrides), "--observed", str(earlier.run_dir), "--json"]
+    )
+    assert code == 0
+    estimate = json.loads(capsys.readouterr().out)
+    assert _completion_requests(sim) == 0, f"estimate sent requests: {sim.stats(with_keys=False)}"
+    assert not (tmp_path / "run").exists(), "estimate must not write into the run directory"
+
+    cfg = load_config(demo_config_path(), overrides)
+    summary, _ = generate_without_prefect(cfg)
+    recorded = _recorded(cfg.run_dir)
+    total = sum(d["cost_usd"] for d in recorded.values())
+    assert summary.total()["done"] == estimate["requests"] == 80
+    cost = estimate["cost_usd"]
+    assert cost["low"] <= total <= cost["high"]
+    print(f"estimate low/expected/high {cost}, recorded {total}")
+    assert abs(cost["expected"] - total) / total < 0.10, (cost, total)
+    for row in estimate["datasets"]:  # sglang_generate: the server counts the ids we rendered, so exactly equal
+        assert row["prompt_tokens"] == recorded[row["dataset"]]["prompt_tokens"], row["dataset"]
+    assert estimate["wall_s"]["expected"] is not None and estimate["latency_s_mean"] is not None
+
+    again = estimate_run(cfg)  # the finished run: nothing left to buy
+    assert again.requests == 0 and again.cost_usd("high") == 0.0 and again.spent_usd == pytest.approx(total)
+
+
+def test_prices_come_from_the_models_listing_when_the_config_has_none(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    raw = load_config(demo_config_path()).model_dump(mode="json")
+    raw["endpoint"].update(kind="openai_chat", model=sim.config.model_name)
+    raw["endpoint"].pop("price_prompt_usd_per_mtok")
+    raw["endpoint"].pop("price_completion_usd_per_mtok")
+    raw.update(run_dir=str(tmp_path / "run"), tokenizer={**raw["tokenizer"], "path": str(tokenizer_dir)})
+    raw["endpoint"]["base_url"] = sim.base_url
+    cfg = PipelineConfig.model_validate(raw)
+    sim.reset_stats()
+    estimate = estimate_run(cfg)
+    assert estimate.prices.source.startswith("models listing")
+    assert (estimate.prices.prompt_usd_per_mtok, estimate.prices.completion_usd_per_mtok) == pytest.approx(
+        (sim.config.price_prompt_usd_per_mtok, sim.config.price_completion_usd_per_mtok)
+    )
+    assert _completion_requests(sim) == 0 and sim.stats()["by_route"]["models_listing"] == 1
+    offline = estimate_run(cfg, price_lookup=False)
+    assert not offline.prices.known and offline.cost_usd("low") is None
+
+
+def test_a_cap_below_the_low_end_is_refused_before_anything_is_sent(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = _overrides(tmp_path / "run", sim, tokenizer_dir, **{"endpoint.max_cost_usd": 0.0001})
+    cfg = load_config(demo_config_path(), overrides)
+    estimate = estimate_run(cfg)
+    low = estimate.cost_usd("low")
+    assert low is not None and low > 0.0001
+    with pytest.raises(EstimateOverBudgetError, match="max_cost_usd"):
+        check_budget(estimate)
+    sim.reset_stats()
+    assert main(["estimate", str(demo_config_path()), *_set_args(overrides)]) == 3
+    assert "exceeds endpoint.max_cost_usd" in capsys.readouterr().err
+    assert _completion_requests(sim) == 0
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_flow_estimates_first_stops_on_dry_run_and_refuses_above_the_cap(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    from prefect.artifacts import Artifact
+
+    from flows.params import RunParameters
+    from flows.pipeline import pipeline
+
+    sim.reset_stats()
+    dry = RunParameters(
+        config_path=str(demo_config_path()), overrides=_overrides(tmp_path / "dry", sim, tokenizer_dir), dry_run=True
+    )
+    stats = pipeline(dry)
+    assert stats["dry_run"] and stats["estimate"]["requests"] == 80
+    assert "prompt tokens (exact)" in stats["estimate"]["text"]
+    estimate = Artifact.get("estimate")
+    assert estimate is not None and "nothing sent" in str(estimate.data)
+    assert _completion_requests(sim) == 0 and not (tmp_path / "dry" / "responses").exists()
+
+    capped = RunParameters(
+        config_path=str(demo_config_path()),
+        overrides=_overrides(tmp_path / "capped", sim, tokenizer_dir, **{"endpoint.max_cost_usd": 0.0001}),
+    )
+    state = pipeline(capped, return_state=True)
+    assert state.is_failed() and "exceeds endpoint.max_cost_usd" in (state.message or "")
+    assert _completion_requests(sim) == 0
