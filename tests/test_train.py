@@ -8,7 +8,6 @@ CPU) backs every assertion.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -29,31 +28,22 @@ from tasks.train.stage import speculators_layer_ids
 from tests.test_extract import make_cfg
 
 SAMPLES = 24
-PROMPT_LEN = (6, 14)
-ANSWER_LEN = 32
 OPTIONS = TrainOptions(epochs=8, lr=3e-3, total_seq_len=128, draft_vocab_size=512, val_fraction=0.25)
 
 
-def greedy_samples(model_dir: Path, seed: int = 7) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask): a random prompt, then the target's own greedy continuation as the answer."""
-    from transformers import AutoModelForCausalLM
+def greedy_samples(model_dir: Path) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask): a chat prompt, then the target's own greedy answer as the local endpoint's model
+    backend produces it (reasoning, `</think>`, content, end of turn), exactly the demo's data."""
+    from endpoint_sim.model_backend import ModelResponder
+    from endpoint_sim.responder import SimConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
-    rng = random.Random(seed)
+    responder = ModelResponder(model_dir, SimConfig(reasoning_words=(12, 20), content_words=(12, 20)))
     rows = []
-    for _ in range(SAMPLES):
-        prompt = [rng.randrange(2, 120_000) for _ in range(rng.randint(*PROMPT_LEN))]
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=ANSWER_LEN,
-                min_new_tokens=ANSWER_LEN,
-                do_sample=False,
-                pad_token_id=1,
-            )
-        ids = [int(t) for t in out[0]]
-        rows.append((ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))))
+    for i in range(SAMPLES):
+        messages = [{"role": "user", "content": f"Question {i}: what should I know about topic number {i * 7 + 3}?"}]
+        prompt = list(responder.prompt_ids_for_messages(messages))
+        answer = list(responder.sample(tuple(prompt), None).output_ids)
+        rows.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     return rows
 
 
@@ -107,7 +97,7 @@ def test_evaluate_agrees_with_the_trainers_own_validation_metric(trained: dict[s
     assert cross["trainer_full_acc"] is not None and len(cross["trainer_full_acc"]) == 3
     assert cross["trainer_full_acc"][0] > 0.5  # the comparison is between non-trivial figures
     assert cross["max_abs_diff"] <= TOLERANCE and cross["agrees"]
-    assert trained["evaluation"]["teacher_forced"]["positions"] == trained["evaluation"]["heldout_rows"] * ANSWER_LEN
+    assert trained["evaluation"]["teacher_forced"]["positions"] > 20 * trained["evaluation"]["heldout_rows"]
 
 
 def test_checkpoint_loads_with_the_trainers_own_from_pretrained(trained: dict[str, Any], tiny_model_dir: Path) -> None:

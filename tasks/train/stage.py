@@ -289,6 +289,7 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
         "checkpoint": str(checkpoint),
         "verifier": str(verifier),
         "target_layer_ids": trainer_args["target_layer_ids"],
+        "train_data_ratio": trainer_args["train_data_ratio"],
         "speculators_version": _speculators_version(),
         "device": "accelerator" if accelerator_available() else "cpu",
         "options": _jsonable(asdict(opts)),
