@@ -50,6 +50,10 @@ def test_prefect_yaml_parses_with_prefects_model_and_parameters_match_the_flows(
     assert nightly.schedules and nightly.schedules[0].model_dump(exclude_none=True)["cron"] == "0 2 * * *"
     assert all(s.model_dump()["active"] is False for s in nightly.schedules), "schedules ship paused"
     for deployment in spec.deployments:  # what the Run button runs must be in the repository and load
+        if deployment.name == "train-gpu":  # trains on the run directory the shipped config writes
+            shipped = load_config(REPO / "configs" / "run.yaml")
+            assert (REPO / deployment.parameters["run_dir"]).resolve() == Path(shipped.run_dir).resolve()
+            continue
         config_path = REPO / deployment.parameters["run"]["config_path"]
         assert config_path.is_file(), f"{deployment.name}: {config_path} is not in the repository"
         load_config(config_path)
