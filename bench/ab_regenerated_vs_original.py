@@ -63,7 +63,9 @@ def train_and_evaluate(run_dir: Path, steps: int, max_prompts: int, max_new_toke
     from tasks.evaluate.stage import heldout_rows, prompt_of
     from tasks.train import TrainOptions, train_run
 
-    options = TrainOptions(epochs=1000, max_steps=steps, lr=3e-3, total_seq_len=1024, draft_vocab_size=4096, seed=0)
+    options = TrainOptions(
+        epochs=1000, max_steps=steps, lr=3e-3, total_seq_len=1024, draft_vocab_size=4096, seed=0, val_fraction=0.1
+    )
     summary = train_run(run_dir, run_dir / "train", options)
     evaluation = evaluate_run(run_dir, run_dir / "train", max_new_tokens=max_new_tokens, max_prompts=max_prompts)
     rows = heldout_rows(run_dir / "train" / "export", summary["train_data_ratio"])[:max_prompts]

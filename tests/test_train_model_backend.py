@@ -58,7 +58,7 @@ def test_generate_route_serves_the_models_output_ids(responder: ModelResponder, 
 
 
 def test_report_sections_are_spliced_replaced_and_reapplied(tmp_path: Path) -> None:
-    out = tmp_path / "validation"
+    out = tmp_path / "reports"
     out.mkdir()
     (out / "report.md").write_text("# Validation report\n\nbody\n")
     (out / "report.html").write_text("<html><body><h1>r</h1></body></html>")

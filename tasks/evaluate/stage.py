@@ -95,8 +95,7 @@ def evaluate_run(
     atomic_write_text(train_dir / EVALUATION_NAME, json.dumps(result, indent=2))
     from tasks.validate.sections import add_report_section
 
-    if (run_dir / "validation").is_dir():
-        add_report_section(run_dir, "drafter-acceptance", evaluation_markdown(result))
+    add_report_section(run_dir, "drafter-acceptance", evaluation_markdown(result))
     return result
 
 

@@ -1,6 +1,6 @@
 """Sections later stages add to the validation report (e.g. the drafter's acceptance from `evaluate`).
 
-A section is stored as `validation/sections/<name>.md` (markdown) and `<name>.html` (an HTML fragment) and is
+A section is stored as `reports/sections/<name>.md` (markdown) and `<name>.html` (an HTML fragment) and is
 spliced into `report.md` / `report.html` between `<!-- section:<name> -->` markers, replacing an earlier version
 of itself; `write_validation_report` re-applies all stored sections, so re-validating never drops them.
 """
@@ -11,6 +11,7 @@ import html
 import re
 from pathlib import Path
 
+from tasks.common.schemas import REPORTS_DIR
 from tasks.common.shards import atomic_write_text
 
 SECTIONS_DIR = "sections"
@@ -28,7 +29,7 @@ def _splice(text: str, name: str, body: str, closing: str) -> str:
 
 
 def reapply_sections(run_dir: Path) -> None:
-    out = Path(run_dir) / "validation"
+    out = Path(run_dir) / REPORTS_DIR
     folder = out / SECTIONS_DIR
     if not folder.is_dir():
         return
@@ -47,9 +48,9 @@ def add_report_section(run_dir: Path, name: str, markdown: str, html_fragment: s
     """Store a section and splice it into the existing report; returns the markdown report's path."""
     if not re.fullmatch(r"[a-z0-9_-]+", name):
         raise ValueError(f"report section name {name!r} must be lowercase letters, digits, '-' or '_'")
-    folder = Path(run_dir) / "validation" / SECTIONS_DIR
+    folder = Path(run_dir) / REPORTS_DIR / SECTIONS_DIR
     atomic_write_text(folder / f"{name}.md", markdown)
     fragment = html_fragment if html_fragment is not None else f"<pre>{html.escape(markdown)}</pre>"
     atomic_write_text(folder / f"{name}.html", fragment)
     reapply_sections(run_dir)
-    return Path(run_dir) / "validation" / "report.md"
+    return Path(run_dir) / REPORTS_DIR / "report.md"
