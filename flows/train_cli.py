@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -60,31 +59,22 @@ def add_train_commands(sub: Any) -> None:
     ev.set_defaults(func=_user_errors(cmd_evaluate))
 
 
-EXIT_USER_ERROR = 1
-"""`train` / `evaluate`: a run directory, option or installation they cannot work with (one line on stderr)."""
-
-
 def _user_errors(command: Any) -> Any:
-    """Run a command; a run directory it cannot use or a missing `train` extra is one line and exit code 1."""
+    """A missing `train` extra becomes a `ConfigError` naming the install; `flows.cli.main` prints it as one line with
+    the user-error exit code, like the run-directory errors (`TrainError`, `ExportError`) the stages raise."""
 
     def run(args: argparse.Namespace) -> int:
         from tasks.common.errors import ConfigError
-        from tasks.export import ExportError
 
         try:
             result: int = command(args)
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] not in ("speculators", "hs_connectors", "datasets"):
                 raise
-            print(
-                f"eagle3-datagen {args.command}: needs the train extra ({exc.name} is not installed): "
-                "pip install 'eagle3-datagen[train]'",
-                file=sys.stderr,
-            )
-            return EXIT_USER_ERROR
-        except (ConfigError, ExportError) as exc:
-            print(f"eagle3-datagen {args.command}: {exc}", file=sys.stderr)
-            return EXIT_USER_ERROR
+            raise ConfigError(
+                f"eagle3-datagen {args.command} needs the train extra ({exc.name} is not installed): "
+                "pip install 'eagle3-datagen[train]'"
+            ) from exc
         return result
 
     return run

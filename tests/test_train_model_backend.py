@@ -78,7 +78,8 @@ def test_train_cli_names_a_run_without_hidden_states_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from flows.cli import main
+    from flows.exit_codes import ExitCode
 
-    assert main(["train", str(tmp_path), "--no-prefect"]) == 1
+    assert main(["train", str(tmp_path), "--no-prefect"]) == ExitCode.USER
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no finished hidden_states parts" in err and str(tmp_path) in err
