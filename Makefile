@@ -15,11 +15,15 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The train extra (speculators==0.9.0) requires torchvision and torchaudio: torch is named in the same command so
+	# the resolver keeps this build instead of swapping in another; both are removed afterwards (nothing here uses
+	# them, and one built for another torch breaks `import transformers`). speculators pins transformers<=5.19.
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" -e ".[dev,train]"
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/eagle3-datagen demo --fresh
+	$(BIN)/eagle3-datagen demo --fresh --train
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -286,7 +286,10 @@ async def _admit(
         state.injected[f"http_{rule.status}" if rule.kind == "http" else rule.kind] += 1
         if rule.kind in _RESPONSE_KINDS:
             return _failure_response(state, request, rule, attempt, len(prompt_ids))
-    sample = state.responder.sample(prompt_ids, seed, key)
+    if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: a real decode, off the loop
+        sample = await asyncio.to_thread(state.responder.sample, prompt_ids, seed, key)
+    else:
+        sample = state.responder.sample(prompt_ids, seed, key)
     ids, finish = _truncate(sample, limit)
     return Admitted(key, attempt, sample, ids, finish, rule, started, delay)
 
@@ -643,9 +646,16 @@ class SimulatorServer:
     """The simulator on its own event loop in a background thread, bound to 127.0.0.1 (port 0 = any free)."""
 
     def __init__(
-        self, model_dir: Path | str, config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0
+        self,
+        model_dir: Path | str,
+        config: SimConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        responder: Responder | None = None,
     ) -> None:
+        """`responder`: answer with this one instead of a fresh `Responder` (e.g. `model_backend.ModelResponder`)."""
         self.model_dir = Path(model_dir)
+        self._responder = responder
         self._config = config or SimConfig()
         self.host = host
         self._port = port
@@ -673,7 +683,7 @@ class SimulatorServer:
     def start(self) -> SimulatorServer:
         if self._thread is not None:
             raise RuntimeError("simulator already started")
-        self._state = SimState(Responder(self.model_dir, self._config))
+        self._state = SimState(self._responder or Responder(self.model_dir, self._config))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="endpoint-sim", daemon=True)
         self._thread.start()

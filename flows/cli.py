@@ -153,6 +153,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.train:
+        from flows.train_cli import cmd_demo_train
+
+        return cmd_demo_train(args)
     _prefect_env()
     from endpoint_sim.assets import ensure_tiny_model_dir
     from endpoint_sim.server import SimConfig, SimulatorServer
@@ -459,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of simulated answers whose reference token ids are a non-canonical tokenization (0..1)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no live generate progress display")
+    demo.add_argument("--train", action="store_true", help="answers from the tiny target itself, then train + evaluate")
     demo.set_defaults(func=cmd_demo)
     gen = sub.add_parser("generate", help="prepare + generate only, without Prefect (resumable)")
     gen.add_argument("config", help=CONFIG_HELP)
@@ -488,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--failed-out", help="where to write failed + quarantined samples (JSONL)")
     status.add_argument("--json", action="store_true", help="print the status as JSON instead of a table")
     status.set_defaults(func=cmd_status)
+    from flows.train_cli import add_train_commands
+
+    add_train_commands(sub)
     for command in sub.choices.values():  # every command documents the same exit codes
         command.epilog = command.epilog or parser.epilog
         command.formatter_class = argparse.RawDescriptionHelpFormatter

@@ -33,18 +33,27 @@ def test_prefect_yaml_parses_with_prefects_model_and_parameters_match_the_flows(
         assert deployment.entrypoint and deployment.work_pool and deployment.name
         module_path, func = deployment.entrypoint.split(":")
         flow_obj = getattr(importlib.import_module(module_path.removesuffix(".py").replace("/", ".")), func)
+        pools[deployment.name] = (deployment.work_pool.name, deployment.concurrency_limit)
+        if deployment.name == "train-gpu":  # run_dir is given per run; every flow parameter has a name it knows
+            assert set(deployment.parameters or {}) <= set(flow_obj.parameters.properties)
+            assert "run_dir" in flow_obj.parameters.required
+            continue
         assert set(deployment.parameters) == set(flow_obj.parameters.properties) == {"run"}
         RunParameters.model_validate(deployment.parameters["run"])
-        pools[deployment.name] = (deployment.work_pool.name, deployment.concurrency_limit)
     assert pools == {
         "pipeline": ("eagle3-cpu", 1),
         "extract-gpu": ("eagle3-gpu", 1),
+        "train-gpu": ("eagle3-gpu", 1),
         "nightly-rerun": ("eagle3-cpu", 1),
     }
     nightly = next(d for d in spec.deployments if d.name == "nightly-rerun")
     assert nightly.schedules and nightly.schedules[0].model_dump(exclude_none=True)["cron"] == "0 2 * * *"
     assert all(s.model_dump()["active"] is False for s in nightly.schedules), "schedules ship paused"
     for deployment in spec.deployments:  # what the Run button runs must be in the repository and load
+        if deployment.name == "train-gpu":  # trains on the run directory the shipped config writes
+            shipped = load_config(REPO / "configs" / "run.yaml")
+            assert (REPO / deployment.parameters["run_dir"]).resolve() == Path(shipped.run_dir).resolve()
+            continue
         config_path = REPO / deployment.parameters["run"]["config_path"]
         assert config_path.is_file(), f"{deployment.name}: {config_path} is not in the repository"
         load_config(config_path)

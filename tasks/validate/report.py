@@ -296,4 +296,7 @@ def write_validation_report(
     atomic_write_text(out / "report.md", _markdown(run_dir, summary, violations, plots, extra))
     report = out / "report.html"
     atomic_write_text(report, _html(run_dir, summary, violations, plots, extra))
+    from tasks.validate.sections import reapply_sections  # sections later stages added (e.g. evaluate)
+
+    reapply_sections(run_dir)
     return report

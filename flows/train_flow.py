@@ -1,0 +1,74 @@
+"""Prefect layer for the `train` and `evaluate` stages (the GPU pool's `train` deployment runs `train_flow`).
+
+Thin: the work is `tasks.train.train_run` and `tasks.evaluate.evaluate_run`; the flows add retries-free tasks and
+the metrics as artifacts (a table of the trainer's validation metrics per epoch, the acceptance report).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+
+def _key(run_dir: str, what: str) -> str:
+    import re
+
+    slug = re.sub(r"[^a-z0-9-]+", "-", run_dir.lower()).strip("-")[-40:]
+    return f"{what}-{slug}".strip("-")
+
+
+@task(name="train-drafter")
+def train_task(run_dir: str, out_dir: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    from pathlib import Path
+
+    from tasks.train import TrainOptions, train_run
+
+    summary = train_run(Path(run_dir), Path(out_dir) if out_dir else None, TrainOptions(**options))
+    if summary["val_metrics"]:
+        create_table_artifact(
+            key=_key(run_dir, "drafter-val-metrics"),
+            table=summary["val_metrics"],
+            description=f"speculators {summary['speculators_version']} validation metrics per epoch: "
+            f"{summary['checkpoint']}",
+        )
+    if summary["train_metrics"]:
+        every = max(1, len(summary["train_metrics"]) // 50)
+        create_table_artifact(
+            key=_key(run_dir, "drafter-train-metrics"),
+            table=summary["train_metrics"][::every],
+            description="training metrics (every step up to 50 rows)",
+        )
+    return summary
+
+
+@task(name="evaluate-drafter")
+def evaluate_task(run_dir: str, train_dir: str | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    from pathlib import Path
+
+    from tasks.evaluate import evaluate_run, evaluation_markdown
+
+    result = evaluate_run(Path(run_dir), Path(train_dir) if train_dir else None, **kwargs)
+    create_markdown_artifact(key=_key(run_dir, "drafter-acceptance"), markdown=evaluation_markdown(result))
+    return result
+
+
+@flow(name="eagle3-evaluate")
+def evaluate_flow(run_dir: str, train_dir: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    result: dict[str, Any] = evaluate_task(run_dir, train_dir, kwargs or {})
+    return result
+
+
+@flow(name="eagle3-train")
+def train_flow(
+    run_dir: str,
+    out_dir: str | None = None,
+    options: dict[str, Any] | None = None,
+    evaluate: bool = True,
+    evaluate_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train a drafter on `run_dir` (resumable), then measure its acceptance on the held-out prompts."""
+    summary = train_task(run_dir, out_dir, options or {})
+    evaluation = evaluate_task(run_dir, out_dir, evaluate_kwargs or {}) if evaluate else None
+    return {"train": summary, "evaluate": evaluation}
