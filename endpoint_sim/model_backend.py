@@ -20,26 +20,13 @@ torch releases the GIL, so the event loop keeps answering health checks meanwhil
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from endpoint_sim.responder import REASONING_CLOSE, Responder, SimConfig, SimSample, _rng, unit_hash
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """One token at a time through a tiny model is all dispatch overhead: more intra-op threads only contend
-    (one thread decodes ~10x faster than two on a loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from tasks.common.torch_threads import torch_threads as scoped_torch_threads
 
 
 class ModelResponder(Responder):
@@ -91,7 +78,7 @@ class ModelResponder(Responder):
         n_reasoning = shape.randint(*cfg.reasoning_words)
         n_content = shape.randint(*cfg.content_words)
         generator = torch.Generator().manual_seed(int(unit_hash(key, cfg.seed, "model-sampling") * 2**62))
-        with self.lock, _threads(self.torch_threads):
+        with self.lock, scoped_torch_threads(self.torch_threads):
             ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
             out = self.model(input_ids=ids, use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1]

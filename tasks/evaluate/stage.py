@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tasks.common.shards import atomic_write_text
+from tasks.common.torch_threads import torch_threads
 from tasks.evaluate.acceptance import Drafter, Target, acceptance_walk, teacher_forced
 from tasks.train.stage import EXPORT_DIR, SUMMARY_NAME, TrainError, hidden_states_provenance
 
@@ -97,17 +96,6 @@ def evaluate_run(
 
     add_report_section(run_dir, "drafter-acceptance", evaluation_markdown(result))
     return result
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """The walk is one small step at a time: dispatch-bound, so extra intra-op threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _evaluate(
