@@ -17,6 +17,7 @@ the first one.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -317,6 +318,12 @@ def _longest_prefix(text: str, candidates: set[str]) -> str | None:
     return max(hits, key=len) if hits else None
 
 
+TAG_LIKE = re.compile(r"<[|｜][^<>|｜]+[|｜]>|</?[A-Za-z][\w:.-]*>")
+"""Control-token-shaped pieces of a format's literals (`<think>`, `</think>`, `<|im_end|>`, `<｜end▁of▁sentence｜>`):
+each must be one id even when the tokenizer's table lacks it, because a tokenizer that splits `</think>` into
+text pieces (a wrong or damaged tokenizer) would otherwise pass derivation and corrupt every sample."""
+
+
 def controls_in(text: str, controls: set[str]) -> tuple[str, ...]:
     """The control tokens inside `text`, left to right (longest match first, as the tokenizer splits them)."""
     found, at = [], 0
@@ -532,7 +539,8 @@ def _derive(
         fmt, unseen = _from_hidden_reasoning(renders)
         seen = COMPARED_FIELDS - unseen
         visible = False
-    controls = controls_in("\x00".join(fmt.literals()), renders.controls)
+    literals = "\x00".join(fmt.literals())
+    controls = controls_in(literals, renders.controls | set(TAG_LIKE.findall(literals)))
     derived = CompletionFormat(
         "derived",
         fmt.reasoning_open,
