@@ -36,7 +36,7 @@ from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
 from tasks.generate.ledger import LEDGER_DIR
 from tasks.generate.preflight import wait_for_endpoint
-from tasks.prepare.datasets import MANIFEST, prepare_datasets
+from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
@@ -343,7 +343,7 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
     )
     if status.quarantined:
         get_run_logger().warning(
-            "%d input rows quarantined (%s)", len(status.quarantined), cfg.run_dir / "prompts" / "quarantine.jsonl"
+            "%d input rows quarantined (%s)", len(status.quarantined), cfg.run_dir / "prompts" / QUARANTINE
         )
     if not status.consistent:
         get_run_logger().warning("stages disagree: %s", "; ".join(status.problems))
@@ -363,7 +363,7 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
         cfg = resolve_run(RunParameters.model_validate(flow_run.parameters.get("run", {}))).cfg
         lines.append(f"run directory `{cfg.run_dir}`; finished parts per stage:")
         lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
-        quarantine = cfg.run_dir / "prompts" / "quarantine.jsonl"
+        quarantine = cfg.run_dir / "prompts" / QUARANTINE
         if quarantine.exists():
             lines.append(f"- quarantined rows: {sum(1 for _ in quarantine.open())}")
         lines.append("Rerunning the same parameters resumes from these parts.")

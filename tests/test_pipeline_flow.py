@@ -69,7 +69,7 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
             assert refs, f"no finished {stage} parts"
             assert all(r.path.stat().st_size > 0 for r in refs)
         assert list((run_dir / "hidden_states" / "data").glob("*.safetensors"))
-        quarantine = (run_dir / "prompts" / "quarantine.jsonl").read_text().splitlines()
+        quarantine = (run_dir / "prompts" / "_quarantine.jsonl").read_text().splitlines()
         assert len(quarantine) == 9
 
         prompts = _table(run_dir, "prompts")
@@ -102,7 +102,7 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         keys = _artifact_keys(state.state_details.flow_run_id)
         assert {"validation-summary", "generate-progress", "generate-status", "generate-summary"} <= keys
         assert json.loads((run_dir / "run_summary.json").read_text())["run_dir"] == str(run_dir)
-        for stage in ("responses", "tokens", "validation"):  # parts and markers only: reports live in reports/
+        for stage in STAGES:  # parts and markers only: reports live in reports/, quarantine and shards under _ names
             assert pq.read_table(run_dir / stage).num_rows == sum(
                 read_part(r, ["sample_id"]).num_rows for r in done_parts(run_dir, stage)
             ), stage

@@ -190,7 +190,7 @@ def test_cli_generate_keeps_the_key_out_of_output_and_files(
     total = json.loads(done.stdout.strip().splitlines()[-1])
     assert total["done"] > 0 and total["failed"] > 0
     run_dir = tmp_path / "run"
-    assert (run_dir / "prompts" / "quarantine.jsonl").stat().st_size > 0
+    assert (run_dir / "prompts" / "_quarantine.jsonl").stat().st_size > 0
     assert_echoes_were_redacted(run_dir)
     assert leaks(done.stdout + done.stderr, "CLI output") + tree_leaks(run_dir) == []
 

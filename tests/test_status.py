@@ -133,7 +133,7 @@ def test_an_input_without_valid_rows_is_one_clear_error(
     assert main(["generate", str(config), "--no-progress"]) == EXIT_ERROR
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no valid rows" in err[0] and "Traceback" not in err[0]
-    assert len((tmp_path / "run" / "prompts" / "quarantine.jsonl").read_text().splitlines()) == 3
+    assert len((tmp_path / "run" / "prompts" / "_quarantine.jsonl").read_text().splitlines()) == 3
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -1,6 +1,6 @@
 """Hidden states on disk: bounded safetensors shards of token-concatenated samples, indexed by a Parquet part.
 
-Layout: `<run_dir>/hidden_states/data/part-NNNNN-SSSS.safetensors` holds `input_ids` [T_total] (int32),
+Layout: `<run_dir>/hidden_states/_data/part-NNNNN-SSSS.safetensors` holds `input_ids` [T_total] (int32),
 `aux_hidden_states` [T_total, 3H] and, unless the run stores aux states only, `hidden_states` [T_total, H]: the
 final hidden state *before* the model's final norm (`FINAL_STATE`, declared in every shard's header), from which
 both trainers' targets are exact (speculators applies the norm itself; the SpecForge export applies it);
@@ -34,7 +34,9 @@ from tasks.common.errors import CaptureMismatchError, InsufficientSpaceError, Sc
 from tasks.common.shards import part_name
 
 HIDDEN_DIR = "hidden_states"
-DATA_DIR = "data"
+DATA_DIR = "_data"
+"""Shards sit under a leading-underscore folder so that `pq.read_table(run_dir / "hidden_states")` reads the index
+parts only; index rows name their shard by path, so run directories written with `data/` still read."""
 AUX_KEY = "aux_hidden_states"
 FINAL_KEY = "hidden_states"
 IDS_KEY = "input_ids"

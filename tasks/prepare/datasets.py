@@ -25,7 +25,8 @@ from tasks.common.shards import PartRef, atomic_write_text, done_parts, read_par
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MANIFEST = "_manifest.json"
-QUARANTINE = "quarantine.jsonl"
+QUARANTINE = "_quarantine.jsonl"
+"""Beside the parts, with a leading underscore so that readers of the stage folder (`pq.read_table`) skip it."""
 
 
 class MalformedRow(ValueError):

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 from tasks.common.failures import failure_class
 from tasks.common.schemas import STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state
+from tasks.prepare.datasets import QUARANTINE
 
-QUARANTINE = "quarantine.jsonl"
 FAILED_FILE = "failed_samples.jsonl"
 """Written into the run directory by `status`: one JSON line per failed or quarantined sample, with its reason."""
 
