@@ -35,7 +35,7 @@ DEMO_EVAL: dict[str, Any] = {"max_new_tokens": 64, "max_prompts": 8}
 
 def add_train_commands(sub: Any) -> None:
     train = sub.add_parser("train", help="train an EAGLE-3 drafter on a run directory (speculators 0.9.0 trainer)")
-    train.add_argument("run_dir")
+    train.add_argument("run_dir", help="a run directory with finished hidden_states parts")
     train.add_argument("--out", help="output directory (default RUN_DIR/train; resumable)")
     train.add_argument("--verifier", help="target model directory (default: the one the states were extracted from)")
     train.add_argument("--epochs", type=int, default=3)
@@ -50,7 +50,7 @@ def add_train_commands(sub: Any) -> None:
     train.add_argument("--no-prefect", action="store_true", help="plain calls, no Prefect flow or artifacts")
     train.set_defaults(func=_user_errors(cmd_train))
     ev = sub.add_parser("evaluate", help="acceptance of a trained drafter on the run's held-out prompts")
-    ev.add_argument("run_dir")
+    ev.add_argument("run_dir", help="a run directory with a trained drafter (train/)")
     ev.add_argument("--train-dir", help="default RUN_DIR/train")
     ev.add_argument("--max-new-tokens", type=int, default=96)
     ev.add_argument("--max-prompts", type=int)

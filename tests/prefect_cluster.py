@@ -88,7 +88,13 @@ class Cluster:
         return proc
 
     def api(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = httpx.request(method, f"{self.url}{path}", timeout=30, **kwargs)
+        """One REST call; a 503 (the SQLite-backed server busy under a loaded machine) is retried, as the UI's
+        own client does, before it counts as a failure."""
+        for _ in range(10):
+            response = httpx.request(method, f"{self.url}{path}", timeout=30, **kwargs)
+            if response.status_code != 503:
+                break
+            time.sleep(1)
         response.raise_for_status()
         return response.json() if response.content else None
 

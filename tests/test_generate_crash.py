@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 from endpoint_sim.responder import FailureRule, Responder, SimConfig, scheduled_failure
@@ -162,6 +163,7 @@ def kill_during_run(sim: SimulatorServer, config: Path, log: Path, remaining: in
     assert returncode == -signal.SIGKILL, f"generate ended by itself ({returncode}):\n{log.read_text()}"
 
 
+@pytest.mark.slow  # tests/test_generate_money.py's ten kills (with the billing ledger) cover this in the default suite
 def test_kill_9_at_random_points_loses_and_repeats_nothing(tmp_path: Path, tokenizer_dir: Path) -> None:
     rng = random.Random(SEED)
     data = tmp_path / "prompts.jsonl"

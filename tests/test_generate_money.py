@@ -21,6 +21,7 @@ import yaml
 
 from endpoint_sim.responder import FailureRule, SimConfig
 from endpoint_sim.server import SimulatorServer
+from flows.exit_codes import ExitCode
 from tasks.common.shards import done_parts, read_part
 from tasks.generate.chunks import CHUNKS_DIR, journal_rows, read_chunk
 from tasks.generate.ledger import SpendLedger
@@ -336,8 +337,8 @@ def test_two_concurrent_triggers_of_one_run_dir_send_each_sample_at_most_once(
     assert len(by_key) == 80
     logs = [(tmp_path / name).read_text() for name in ("first.log", "second.log")]
     if codes != (0, 0):  # they overlapped: one stopped before sending anything (else one found all done)
-        assert sorted(codes) == [0, 1], codes
-        loser = logs[codes.index(1)]
+        assert sorted(codes) == [0, ExitCode.USER], codes
+        loser = logs[codes.index(ExitCode.USER)]
         assert "being written by another generate run" in loser and "nothing was sent" in loser
         assert "Traceback" not in loser
     rows = [row for ref in done_parts(tmp_path / "run", "responses") for row in read_part(ref).to_pylist()]
