@@ -219,7 +219,9 @@ def test_prefect_run_rides_out_an_outage_longer_than_the_old_grace(tmp_path: Pat
         "tokenizer.path": str(tiny_model_dir),
         "extract.enabled": False,
         "endpoint.max_in_flight": 4,
-        "endpoint.max_attempts": 2,
+        # 3, not 2: a request that fails in the instant the endpoint comes back is judged by a probe that finds
+        # it up again, and may use up one attempt; under a loaded machine that happens (README: outages)
+        "endpoint.max_attempts": 3,
         "endpoint.backoff_base_s": 0.05,
         "endpoint.backoff_max_s": 0.2,
         "endpoint.outage_grace_s": OLD_GRACE_S,
@@ -237,4 +239,4 @@ def test_prefect_run_rides_out_an_outage_longer_than_the_old_grace(tmp_path: Pat
     assert state.is_completed(), (state.name, state.message)
     rows = [row for ref in done_parts(tmp_path / "run", "responses") for row in read_part(ref).to_pylist()]
     assert rows and {r["status"] for r in rows} == {"done"}, "the outage failed samples"
-    assert max(r["attempts"] for r in rows) > 2
+    assert max(r["attempts"] for r in rows) > 3

@@ -68,7 +68,7 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
             refs = done_parts(run_dir, stage)
             assert refs, f"no finished {stage} parts"
             assert all(r.path.stat().st_size > 0 for r in refs)
-        assert list((run_dir / "hidden_states" / "data").glob("*.safetensors"))
+        assert list((run_dir / "hidden_states" / "_data").glob("*.safetensors"))
         quarantine = (run_dir / "prompts" / "_quarantine.jsonl").read_text().splitlines()
         assert len(quarantine) == 9
 
