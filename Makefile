@@ -11,14 +11,16 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	# The train extra (speculators==0.9.0) requires torchvision and torchaudio: torch is named in the same command so
 	# the resolver keeps this build instead of swapping in another; both are removed afterwards (nothing here uses
 	# them, and one built for another torch breaks `import transformers`). speculators pins transformers<=5.19.
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" -e ".[dev,train]"
+	# constraints.txt holds the versions this resolves to: left free, pip backtracks for many minutes on
+	# s3fs/aiobotocore/botocore/moto beside speculators' transformers cap.
+	$(BIN)/python -m pip install -q -c constraints.txt "$(TORCH_SPEC)" -e ".[dev,train]"
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio
 	touch $(STAMP)
 
