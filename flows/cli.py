@@ -152,23 +152,30 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def demo_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The demo's run directory (emptied first with --fresh) and its tiny target model, built once under
+    --assets-dir; shared by `demo` and `demo --train`."""
+    from endpoint_sim.assets import ensure_tiny_model_dir
+
+    run_dir = Path(args.run_dir).resolve()
+    if args.fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    return run_dir, ensure_tiny_model_dir(Path(args.assets_dir).resolve() / "tiny-deepseek-v31")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.train:
         from flows.train_cli import cmd_demo_train
 
         return cmd_demo_train(args)
     _prefect_env()
-    from endpoint_sim.assets import ensure_tiny_model_dir
     from endpoint_sim.server import SimConfig, SimulatorServer
     from flows.params import RunParameters
     from flows.pipeline import pipeline
     from tasks.generate.progress_display import show_progress
 
     _quiet_prefect_console()
-    run_dir = Path(args.run_dir).resolve()
-    if args.fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
-    model_dir = ensure_tiny_model_dir(Path(args.assets_dir).resolve() / "tiny-deepseek-v31")
+    run_dir, model_dir = demo_dirs(args)
     started = time.monotonic()
     sim_config = SimConfig(noncanonical_rate=args.noncanonical_rate)
     with SimulatorServer(model_dir, sim_config) as sim, show_progress(enabled=not args.no_progress):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -159,10 +158,9 @@ def print_train_result(summary: dict[str, Any] | None, evaluation: dict[str, Any
 
 def cmd_demo_train(args: argparse.Namespace) -> int:
     """The demo that learns: target-backed endpoint -> pipeline -> drafter -> acceptance, with stage wall times."""
-    from flows.cli import _prefect_env, demo_config_path, print_demo_summary
+    from flows.cli import _prefect_env, demo_config_path, demo_dirs, print_demo_summary
 
     _prefect_env()
-    from endpoint_sim.assets import ensure_tiny_model_dir
     from endpoint_sim.model_backend import ModelResponder
     from endpoint_sim.server import SimConfig, SimulatorServer
     from flows.params import RunParameters
@@ -171,10 +169,7 @@ def cmd_demo_train(args: argparse.Namespace) -> int:
     from tasks.generate.progress_display import show_progress
     from tasks.train import TrainOptions
 
-    run_dir = Path(args.run_dir).resolve()
-    if args.fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
-    model_dir = ensure_tiny_model_dir(Path(args.assets_dir).resolve() / "tiny-deepseek-v31")
+    run_dir, model_dir = demo_dirs(args)
     started = time.monotonic()
     sim_config = SimConfig(**DEMO_SIM_WORDS)
     responder = ModelResponder(model_dir, sim_config, temperature=0.0)
