@@ -24,7 +24,7 @@ from tasks.reconstruct.completion_format import (
 )
 from tasks.reconstruct.special_tokens import verify_special_tokens
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_from_tiktoken
-from tests.fixtures.families import QWEN3_SPECIAL_TOKENS, QWEN_PATTERN, QWEN_TIKTOKEN
+from tests.fixtures.families import QWEN_PATTERN, QWEN_TIKTOKEN, qwen3_dir_with_template
 
 # Qwen3's template shape (reasoning kept on the final assistant turn, padded with newlines, content after a blank
 # line), spelled with control strings the DeepSeek tokenizer has: <｜User｜>/<｜Assistant｜> for the role headers
@@ -211,11 +211,8 @@ QWEN3_TEMPLATE = """
 
 @pytest.fixture(scope="module")
 def qwen3_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
-    path = tmp_path_factory.mktemp("qwen3")
-    tok = tokenizer_from_tiktoken(QWEN_TIKTOKEN, QWEN3_SPECIAL_TOKENS, QWEN_PATTERN)
-    tok.eos_token = "<|im_end|>"
-    tok.chat_template = QWEN3_TEMPLATE
-    tok.save_pretrained(path)
+    """`tokenizer_from_tiktoken` over Qwen's ranks (converted once per process, see the families fixtures)."""
+    path = qwen3_dir_with_template(tmp_path_factory.mktemp("qwen3") / "qwen3", QWEN3_TEMPLATE)
     return load_tokenizer(TokenizerConfig(path=path))
 
 

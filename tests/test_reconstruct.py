@@ -25,7 +25,6 @@ from tasks.reconstruct.tokenizer_loading import (
     load_tokenizer,
     render_prompt,
     render_prompt_ids,
-    tokenizer_from_tiktoken,
 )
 
 DEMO = PRESETS["deepseek_v4_thinking"]
@@ -244,13 +243,10 @@ def test_qwen3_layout_spans_with_padding_and_separator(tmp_path: Path) -> None:
 
 
 def test_real_qwen3_tokenizer_round_trip(tmp_path: Path) -> None:
-    from tests.test_completion_format import QWEN3_SPECIAL_TOKENS, QWEN3_TEMPLATE, QWEN_PATTERN, QWEN_TIKTOKEN
+    from tests.fixtures import families as F
+    from tests.test_completion_format import QWEN3_TEMPLATE
 
-    tokenizer_dir = tmp_path / "qwen3"
-    built = tokenizer_from_tiktoken(QWEN_TIKTOKEN, QWEN3_SPECIAL_TOKENS, QWEN_PATTERN)
-    built.eos_token = "<|im_end|>"
-    built.chat_template = QWEN3_TEMPLATE
-    built.save_pretrained(tokenizer_dir)
+    tokenizer_dir = F.qwen3_dir_with_template(tmp_path / "qwen3", QWEN3_TEMPLATE)
     tokenizer = load_tokenizer(TokenizerConfig(path=tokenizer_dir))
     fmt = PRESETS["qwen3_thinking"]
     write_inputs(
