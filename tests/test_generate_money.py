@@ -345,15 +345,22 @@ def test_two_concurrent_triggers_of_one_run_dir_send_each_sample_at_most_once(
     assert len(rows) == 80 and {r["status"] for r in rows} == {"done"}
 
 
+@pytest.mark.usefixtures("prefect_harness")
 def test_a_kill_9_of_a_real_prefect_run_keeps_paid_answers_and_counts_every_cent(
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:
-    """`eagle3-datagen run` (Prefect flow, its own temporary API server) killed with its whole process group
-    mid-generate, then run again to completion: the same guarantees as the CLI kills."""
+    """`eagle3-datagen run` (a Prefect flow run on the session's API server, as on a deployment) killed with its
+    whole process group mid-generate, then run again to completion: the same guarantees as the CLI kills. (The
+    CLI's own temporary server is what `make demo` starts; starting one here twice would cost 15-25 s.)"""
+    from prefect.settings import PREFECT_API_URL
+
     data = tmp_path / "prompts.jsonl"
     write_dataset(data, 160, "prefect")
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "flows.cli", "run", "--no-progress", "--set", "extract.enabled=false"]
     with SimulatorServer(tokenizer_dir, SIM) as sim:
