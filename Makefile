@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck pytest test-all test-interop bench clean
+.PHONY: venv demo test lint typecheck pytest test-long test-all test-interop bench clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,11 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# What `make test` leaves out to stay under 6 minutes, and CI runs after it: tests whose length is real time (an
+# endpoint down for 45 s under the CLI and under Prefect, the five-kill crash loop, two nights of the deployment).
+test-long: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not gpu and not interop" $(PYTEST_ARGS)
+
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
@@ -47,7 +52,7 @@ test-all: $(STAMP)
 # SGLang 0.5.23 wheel's API, in a separate cached venv (EAGLE3_TEST_CACHE, default ~/.cache/eagle3-datagen);
 # the first run needs the package index. Not part of `make test`.
 test-interop: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow tests/test_export_trainers.py tests/test_extract_sglang_api.py
+	$(BIN)/python -m pytest -q -m interop
 
 bench: $(STAMP)
 	$(BIN)/python bench/client_throughput.py

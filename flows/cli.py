@@ -131,13 +131,14 @@ def _preflight(cfg: PipelineConfig, probe: bool) -> None:
 def cmd_estimate(args: argparse.Namespace) -> int:
     """No Prefect and no completion request: reads the datasets and the run directory, may read a models listing."""
     from tasks.common.config import load_config
-    from tasks.estimate.display import estimate_text
-    from tasks.estimate.estimate import estimate_run
 
     cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
     from tasks.common.preflight import check_inputs
 
     check_inputs(cfg)
+    from tasks.estimate.display import estimate_text
+    from tasks.estimate.estimate import estimate_run
+
     observed = Path(args.observed).resolve() if args.observed else None
     estimate = estimate_run(cfg, observed_run_dir=observed, price_lookup=not args.no_price_lookup)
     if args.json:
@@ -317,16 +318,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     4 the endpoint refused the run or is unreachable, 2 a config or input error. No Prefect, so it can run (and be
     killed) as a plain process."""
     from tasks.common.config import load_config
-    from tasks.generate.dataset_summary import dataset_rows
-    from tasks.generate.engine import budget_stop_message
-    from tasks.generate.progress_display import show_progress
 
     overrides = _parse_overrides(args.set or [])
     if args.retry_failed:
         overrides["endpoint.retry_failed"] = args.retry_failed
-    cfg = load_config(Path(args.config), overrides)
+    cfg = load_config(Path(args.config), overrides)  # before the heavy imports: a typo is reported at once
     _SECRETS.append(_redactor(cfg))
     _preflight(cfg, probe=False)  # the endpoint is waited for inside, within endpoint.outage_abort_s
+    from tasks.generate.dataset_summary import dataset_rows
+    from tasks.generate.engine import budget_stop_message
+    from tasks.generate.progress_display import show_progress
+
     with show_progress(enabled=not args.no_progress):
         summary, parts = generate_without_prefect(cfg)
     rows = dataset_rows(cfg.run_dir, parts)

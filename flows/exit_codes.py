@@ -8,6 +8,7 @@ anything raised into `error_line(exc)` on stderr and `exit_code_for(exc)`. No Pr
 from __future__ import annotations
 
 import errno
+import sys
 from collections.abc import Callable
 from enum import IntEnum
 
@@ -57,7 +58,11 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         ValidationGateError,
     )
     from tasks.estimate.errors import EstimateOverBudgetError
-    from tasks.export.errors import ExportError
+
+    # Only an export raises ExportError, and importing its package costs seconds (transformers): a command that
+    # failed before any export never loaded it.
+    export_errors = sys.modules.get("tasks.export.errors")
+    failed_export = export_errors is not None and isinstance(exc, export_errors.ExportError)
 
     if isinstance(exc, EstimateOverBudgetError):
         return ExitCode.BUDGET
@@ -65,9 +70,11 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.ENDPOINT
     if isinstance(exc, ValidationGateError):
         return ExitCode.GATES
-    if isinstance(
-        exc, ConfigError | SchemaMismatchError | SpecialTokenError | InsufficientSpaceError | ExportError
-    ) or _is_validation_error(exc):
+    if (
+        isinstance(exc, ConfigError | SchemaMismatchError | SpecialTokenError | InsufficientSpaceError)
+        or failed_export
+        or _is_validation_error(exc)
+    ):
         return ExitCode.USER
     if isinstance(exc, PermissionError | FileNotFoundError | IsADirectoryError | NotADirectoryError):
         return ExitCode.USER

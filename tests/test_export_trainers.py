@@ -30,7 +30,7 @@ from tasks.export import export_run
 from tasks.export.progress import MANIFEST
 from tests.test_export import PART_LENGTHS, build_run, manifest_order, post_norm, stored
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
 CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", Path.home() / ".cache" / "eagle3-datagen"))
 TRAINER_PINS = ["torch==2.13.0", "speculators==0.9.0", "transformers<=5.19", "datasets<=5.1"]

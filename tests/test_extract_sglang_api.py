@@ -20,7 +20,7 @@ import pytest
 
 from tasks.extract.sglang_contract import SGLANG_VERSION, SGLangEngineSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
 CACHE = Path(os.environ.get("EAGLE3_TEST_CACHE", Path.home() / ".cache" / "eagle3-datagen"))
 
