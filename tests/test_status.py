@@ -164,3 +164,47 @@ def test_run_exits_at_the_failed_rate_gate_and_the_failure_summary_lists_the_sam
     assert summary is not None and "http_500" in str(summary.data)
     lines = (tmp_path / "run" / "failed_samples.jsonl").read_text().splitlines()
     assert any(json.loads(line)["reason"] == "http_500" for line in lines)
+
+
+def test_status_remembers_id_columns_by_part_content_and_never_answers_from_an_older_copy(tmp_path: Path) -> None:
+    """Every run ends with a status pass: the id/status columns it reads are kept by each part's content digest,
+    so a no-op status reads one file, and a rewritten part (new digest) or a marker without a digest is read from
+    its Parquet file."""
+    import pyarrow as pa
+
+    from tasks.common.schemas import PROMPTS
+    from tasks.common.shards import PartRef, read_marker, write_part
+    from tasks.status.id_cache import CACHE_FILE
+
+    def prompts(ids: list[str]) -> pa.Table:
+        rows = [
+            {"sample_id": i, "dataset": "D", "source_file": "d.jsonl", "source_row": n, "prompt_id": i}
+            | {"messages": [{"role": "user", "content": f"question {i}"}], "sample_index": 0}
+            for n, i in enumerate(ids)
+        ]
+        return pa.Table.from_pylist(rows, schema=PROMPTS)
+
+    def expected() -> int:
+        return run_status(run_dir, extract_enabled=False).counts["D"]["prompts"].expected
+
+    run_dir = tmp_path / "run"
+    ref = PartRef(run_dir, "prompts", 0)
+    write_part(ref, prompts(["a", "b"]), {})
+    first = run_status(run_dir, extract_enabled=False)
+    cache = run_dir / CACHE_FILE
+    written = cache.stat().st_mtime_ns
+    assert run_status(run_dir, extract_enabled=False).to_dict() == first.to_dict()
+    assert cache.stat().st_mtime_ns == written, "nothing changed: the cache is not rewritten"
+
+    write_part(ref, prompts(["a", "b", "c"]), {})
+    assert expected() == 3, "a rewritten part was answered from the cache"
+
+    marker = read_marker(ref)
+    del marker["digest"]  # a marker from before digests were recorded
+    ref.marker.write_text(json.dumps(marker))
+    write_part(PartRef(run_dir, "prompts", 1), prompts(["d"]), {})
+    assert expected() == 4
+    assert set(json.loads(cache.read_text())["parts"]) == {"prompts/part-00001"}, "legacy markers are not cached"
+
+    cache.write_text("{not json")
+    assert expected() == 4

@@ -15,12 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from tasks.common.failures import failure_class
 from tasks.common.schemas import STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state
 from tasks.prepare.datasets import QUARANTINE
+from tasks.status.id_cache import IdCache
 
 FAILED_FILE = "failed_samples.jsonl"
 """Written into the run directory by `status`: one JSON line per failed or quarantined sample, with its reason."""
@@ -159,12 +158,6 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     return {}
 
 
-def _read_ids(ref: PartRef, columns: list[str]) -> list[dict[str, Any]]:
-    schema = pq.read_schema(ref.path)
-    rows: list[dict[str, Any]] = pq.read_table(ref.path, columns=[c for c in columns if c in schema.names]).to_pylist()
-    return rows
-
-
 def _quarantined(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "prompts" / QUARANTINE
     if not path.is_file():
@@ -206,6 +199,7 @@ def run_status(
     parts: dict[str, StageParts] = {}
     present: dict[str, dict[str, dict[str, Any]]] = {}
     stale_ids: dict[str, set[str]] = {}
+    ids = IdCache(run_dir)
     for stage in stages:
         sp = parts[stage] = StageParts()
         present[stage] = {}
@@ -219,11 +213,12 @@ def run_status(
             getattr(sp, state).append(part)
             if state == "missing":
                 continue
-            rows = _read_ids(ref, COLUMNS[stage])
+            rows = ids.rows(ref, COLUMNS[stage])
             if state == "current":
                 present[stage].update({r["sample_id"]: r for r in rows})
             else:
                 stale_ids[stage].update(r["sample_id"] for r in rows)
+    ids.save()
 
     datasets: dict[str, str] = {sid: r["dataset"] for sid, r in present["prompts"].items()}
     names = sorted(set(datasets.values()))
