@@ -101,7 +101,7 @@ def measure(root: Path, parts: int, per_part: int, tiny: bool, base_url: str, mo
     from flows.cli import demo_config_path
     from flows.params import RunParameters
     from flows.pipeline import pipeline
-    from tasks.common.shards import done_parts
+    from tasks.common.shards import done_parts, read_marker
 
     run_dir = root / f"run-{parts}"
     overrides: dict[str, Any] = {
@@ -129,7 +129,8 @@ def measure(root: Path, parts: int, per_part: int, tiny: bool, base_url: str, mo
             f"{parts:>3} parts x {per_part} samples, {name:>5} run: {wall:7.2f} s wall "
             f"(flow body {stats['wall_s']:.2f} s), {out[f'{name}_task_runs']} task runs"
         )
-    out["samples"] = sum(int(s["samples"]) for s in stats["extract"])
+    out["samples"] = sum(int(read_marker(r)["rows"]) for r in done_parts(run_dir, "prompts"))
+    out["hidden_state_samples"] = sum(int(s["samples"]) for s in stats["extract"])  # validation's fails skipped
     out["hidden_states_parts"] = len(done_parts(run_dir, "hidden_states"))
     out["ratio"] = round(out["noop_wall_s"] / out["first_wall_s"], 4)
     out["status_consistent"] = stats["status"]["consistent"]
