@@ -166,15 +166,15 @@ def test_run_exits_at_the_failed_rate_gate_and_the_failure_summary_lists_the_sam
     assert any(json.loads(line)["reason"] == "http_500" for line in lines)
 
 
-def test_status_remembers_id_columns_by_part_content_and_never_answers_from_an_older_copy(tmp_path: Path) -> None:
-    """Every run ends with a status pass: the id/status columns it reads are kept by each part's content digest,
-    so a no-op status reads one file, and a rewritten part (new digest) or a marker without a digest is read from
-    its Parquet file."""
+def test_status_reuses_its_last_result_only_while_no_marker_quarantine_or_setting_changed(tmp_path: Path) -> None:
+    """Every run ends with a status pass: the result is kept with a key over every marker's bytes, the quarantine
+    file and the settings asked about, so a no-op status reads markers and one file, and any rewritten part, new
+    quarantined row or other recipe gives a result computed from the parts again."""
     import pyarrow as pa
 
     from tasks.common.schemas import PROMPTS
-    from tasks.common.shards import PartRef, read_marker, write_part
-    from tasks.status.id_cache import CACHE_FILE
+    from tasks.common.shards import PartRef, write_part
+    from tasks.status.status_cache import CACHE_FILE
 
     def prompts(ids: list[str]) -> pa.Table:
         rows = [
@@ -192,19 +192,28 @@ def test_status_remembers_id_columns_by_part_content_and_never_answers_from_an_o
     write_part(ref, prompts(["a", "b"]), {})
     first = run_status(run_dir, extract_enabled=False)
     cache = run_dir / CACHE_FILE
-    written = cache.stat().st_mtime_ns
+    written = cache.read_bytes()
     assert run_status(run_dir, extract_enabled=False).to_dict() == first.to_dict()
-    assert cache.stat().st_mtime_ns == written, "nothing changed: the cache is not rewritten"
+    assert cache.read_bytes() == written, "nothing changed: the stored result is reused"
 
     write_part(ref, prompts(["a", "b", "c"]), {})
-    assert expected() == 3, "a rewritten part was answered from the cache"
+    assert expected() == 3, "a rewritten part was answered from the stored result"
+    key = json.loads(cache.read_text())["key"]
+    write_part(ref, prompts(["a", "b", "c"]), {})  # the same rows again: a new marker (its time), a new key
+    assert expected() == 3 and json.loads(cache.read_text())["key"] != key
 
-    marker = read_marker(ref)
-    del marker["digest"]  # a marker from before digests were recorded
-    ref.marker.write_text(json.dumps(marker))
     write_part(PartRef(run_dir, "prompts", 1), prompts(["d"]), {})
-    assert expected() == 4
-    assert set(json.loads(cache.read_text())["parts"]) == {"prompts/part-00001"}, "legacy markers are not cached"
+    ref.marker.unlink()  # a part whose marker is gone counts as missing at once
+    assert expected() == 1
+    assert run_status(run_dir, extract_enabled=False).parts["prompts"].missing == [0]
+
+    quarantine = run_dir / "prompts" / "_quarantine.jsonl"
+    quarantine.write_text(json.dumps({"dataset": "Q", "reason": "no messages"}) + "\n")
+    status = run_status(run_dir, extract_enabled=False)
+    assert "Q" in status.counts and len(status.quarantined) == 1
+
+    on = run_status(run_dir, extract_enabled=True)
+    assert "hidden_states" in on.stages and "hidden_states" not in status.stages, "settings are part of the key"
 
     cache.write_text("{not json")
-    assert expected() == 4
+    assert expected() == 1
