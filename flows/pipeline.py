@@ -47,6 +47,7 @@ from tasks.status.plan import (
     hidden_states_todo,
     recipe_digests,
     record_report,
+    recorded_summary,
     report_key,
     reusable_report,
     tokens_todo,
@@ -131,13 +132,15 @@ def validate_task(cfg: PipelineConfig, part: int) -> dict[str, Any]:
 def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
     """Writes the report (HTML with plots, markdown, summary.json) and the artifacts first, then applies the
     gates, so a failed gate is explainable from the report and the UI."""
-    summary = summarize_validation(cfg)
-    violations = gate_violations(summary, cfg.validation)
     key = report_key(cfg.run_dir, cfg.validation.model_dump(mode="json"))
+    recorded = recorded_summary(cfg.run_dir, key)
+    summary = summarize_validation(cfg) if recorded is None else recorded
+    violations = gate_violations(summary, cfg.validation)
     report = reusable_report(cfg.run_dir, key)
-    if report is None:
-        report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
-        record_report(cfg.run_dir, key, report)
+    if report is None or recorded is None:
+        if report is None:
+            report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
+        record_report(cfg.run_dir, key, report, summary)
     create_table_artifact(
         key="validation-summary",
         table=overview_rows(summary),
@@ -300,7 +303,10 @@ def run_pipeline(
     stats["prepare"] = prepare = stage_prepare(cfg, store)
     parts: list[int] = prepare["parts"]
     stats["completion_format"] = cfg.tokenizer.completion_format
-    stats["estimate"] = estimate_task(cfg)
+    if (run is not None and run.dry_run) or generate_todo(cfg, parts):
+        stats["estimate"] = estimate_task(cfg)
+    else:  # the estimate would price nothing: no task run, no re-read of every dataset and response part
+        stats["estimate"] = {"requests": 0, "text": "nothing to send: every responses part is complete and current"}
     if run is not None and run.dry_run:
         stats["dry_run"] = True
         stats["wall_s"] = round(time.monotonic() - started, 3)

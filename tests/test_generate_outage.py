@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -97,11 +96,13 @@ def test_refused_connections_never_use_up_attempts_whatever_the_grace(
     assert committed_chunks(tmp_path) == {}
 
 
-# --- the whole endpoint down mid-run, longer than the old grace (issue: "outages fail no sample") -------------
-# The old rule charged attempts for the first outage_grace_s of silence (30 s by default), so an outage of 45 s
-# failed every sample in flight. The same scenario, scaled: grace 1 s, outage 3 s, max_attempts 2.
-OLD_GRACE_S = 1.0
-OUTAGE_S = 3.0
+# --- the whole endpoint down mid-run for 45 s, longer than the old grace (issue: "outages fail no sample") --------
+# The old rule charged attempts for the first outage_grace_s of silence (30 s, still the field's default though
+# unused), so an outage of 45 s failed every sample in flight. One test takes two endpoints down for the real
+# 45 s, one under the CLI and one under a Prefect run, at the same time: the cost is one outage of wall time.
+OUTAGE_S = 45.0
+OUTAGE_ABORT_S = 300.0  # comfortably above the outage: the run must ride it out, not stop
+MAX_ATTEMPTS = 3  # a request failing in the instant its endpoint comes back may use up one (README: outages)
 
 
 def _outage_sim() -> SimConfig:
@@ -110,70 +111,122 @@ def _outage_sim() -> SimConfig:
     return SimConfig(seed=9, latency_lognormal=(math.log(0.1), 0.2))
 
 
-def _take_down_and_bring_back(first: SimulatorServer, port: int, tokenizer_dir: Path, after_requests: int) -> Any:
-    """A thread that stops `first` once it has seen `after_requests`, and starts a fresh simulator on the same
-    port OUTAGE_S later; join it, then stop `.back`."""
-    import time
+class Outage(threading.Thread):
+    """Stops `first` once it has received `after_requests` requests, and starts a fresh simulator on the same
+    port OUTAGE_S later (`back`). `down_at` / `up_at`: monotonic times, for the report. `close` cuts a pending
+    outage short (a run that failed early is not kept waiting) and stops both servers."""
 
-    class Outage(threading.Thread):
-        back: SimulatorServer | None = None
-        error: BaseException | None = None
+    def __init__(self, first: SimulatorServer, model_dir: Path, after_requests: int) -> None:
+        super().__init__(daemon=True)
+        self.first, self.model_dir, self.after_requests = first, model_dir, after_requests
+        self.back: SimulatorServer | None = None
+        self.error: BaseException | None = None
+        self.down_at = self.up_at = 0.0
+        self._cancel = threading.Event()
 
-        def run(self) -> None:
-            try:
-                deadline = time.monotonic() + 120
-                while first.stats(with_keys=False)["total_requests"] < after_requests:
-                    assert time.monotonic() < deadline, "the run never reached the outage point"
-                    time.sleep(0.01)
-                first.stop()
-                time.sleep(OUTAGE_S)
-                self.back = SimulatorServer(tokenizer_dir, _outage_sim(), port=port).start()
-            except BaseException as exc:
-                self.error = exc
+    def run(self) -> None:
+        import time
 
-    outage = Outage(daemon=True)
-    outage.start()
-    return outage
+        try:
+            deadline = time.monotonic() + 300
+            while self.first.stats(with_keys=False)["total_requests"] < self.after_requests:
+                assert time.monotonic() < deadline, "the run never reached the outage point"
+                if self._cancel.wait(0.01):
+                    return
+            port = self.first.port
+            self.first.stop()
+            self.down_at = time.monotonic()
+            self._cancel.wait(OUTAGE_S)
+            self.back = SimulatorServer(self.model_dir, _outage_sim(), port=port).start()
+            self.up_at = time.monotonic()
+        except BaseException as exc:
+            self.error = exc
+
+    def close(self) -> None:
+        self._cancel.set()
+        self.join(timeout=120)
+        self.first.stop()
+        if self.back is not None:
+            self.back.stop()
 
 
-def test_cli_rides_out_an_outage_longer_than_the_old_grace_and_fails_no_sample(
-    tmp_path: Path, tokenizer_dir: Path
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_45_s_outage_fails_no_sample_under_the_cli_and_under_a_prefect_run(
+    tmp_path: Path, tokenizer_dir: Path, tiny_model_dir: Path
 ) -> None:
+    from flows.cli import demo_config_path
+    from flows.params import RunParameters
+    from flows.pipeline import pipeline
+    from tasks.common.config import EndpointConfig
     from tasks.common.shards import done_parts, read_part
     from tests.test_generate_money import cli, write_config, write_dataset
 
-    data = tmp_path / "prompts.jsonl"
+    old_grace_s = EndpointConfig.model_fields["outage_grace_s"].default
+    assert old_grace_s < OUTAGE_S, "the outage must be longer than the old rule's grace"
+
+    # The CLI: `eagle3-datagen generate` in its own process, 60 samples, default outage_grace_s.
+    cli_dir = tmp_path / "cli"
+    cli_dir.mkdir()
+    data = cli_dir / "prompts.jsonl"
     write_dataset(data, 60, "outage")
-    first = SimulatorServer(tokenizer_dir, _outage_sim()).start()
-    port = first.port
+    cli_sim = SimulatorServer(tokenizer_dir, _outage_sim()).start()
     config = write_config(
-        tmp_path,
-        first,
+        cli_dir,
+        cli_sim,
         tokenizer_dir,
         data,
         max_in_flight=4,
-        max_attempts=2,
+        max_attempts=MAX_ATTEMPTS,
         backoff_base_s=0.05,
-        backoff_max_s=0.2,
-        outage_grace_s=OLD_GRACE_S,
-        outage_abort_s=60.0,
+        backoff_max_s=1.0,
+        outage_abort_s=OUTAGE_ABORT_S,
         max_cost_usd=None,
     )
-    outage = _take_down_and_bring_back(first, port, tokenizer_dir, after_requests=12)
-    proc = cli(config, tmp_path / "generate.log")
+    # The Prefect run: the whole pipeline in this process (demo config, 80 samples, extraction off).
+    flow_sim = SimulatorServer(tiny_model_dir, _outage_sim()).start()
+    overrides = {
+        "run_dir": str(tmp_path / "flow"),
+        "endpoint.base_url": flow_sim.base_url,
+        "tokenizer.path": str(tiny_model_dir),
+        "extract.enabled": False,
+        "endpoint.max_in_flight": 4,
+        "endpoint.max_attempts": MAX_ATTEMPTS,
+        "endpoint.backoff_base_s": 0.05,
+        "endpoint.backoff_max_s": 1.0,
+        "endpoint.outage_abort_s": OUTAGE_ABORT_S,
+    }
+
+    outages = [Outage(cli_sim, tokenizer_dir, after_requests=12), Outage(flow_sim, tiny_model_dir, after_requests=12)]
+    for outage in outages:
+        outage.start()
+    proc = cli(config, cli_dir / "generate.log")
     try:
-        code = proc.wait(timeout=300)
+        state = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides), return_state=True)
+        code = proc.wait(timeout=OUTAGE_S + 400)
     finally:
-        outage.join(timeout=60)
-        first.stop()
-        if outage.back is not None:
-            outage.back.stop()
-    assert outage.error is None, outage.error
-    log = (tmp_path / "generate.log").read_text()
+        if proc.poll() is None:
+            proc.kill()
+        for outage in outages:
+            outage.close()
+    for outage in outages:
+        assert outage.error is None, outage.error
+        assert outage.down_at > 0 and outage.up_at - outage.down_at >= OUTAGE_S, "the outage was cut short"
+    (cli_out, flow_out), start = outages, min(o.down_at for o in outages)
+    print(  # -s shows how far the two outages overlapped (no assertion: that is the machine's timing)
+        f"outages: CLI endpoint down {cli_out.down_at - start:.1f}-{cli_out.up_at - start:.1f} s, "
+        f"Prefect run's endpoint down {flow_out.down_at - start:.1f}-{flow_out.up_at - start:.1f} s"
+    )
+
+    log = (cli_dir / "generate.log").read_text()
     assert code == 0, log
-    rows = [row for ref in done_parts(tmp_path / "run", "responses") for row in read_part(ref).to_pylist()]
-    assert len(rows) == 60 and {r["status"] for r in rows} == {"done"}, "the outage failed samples"
-    assert max(r["attempts"] for r in rows) > 2, "no attempt of the outage was free (did the outage hit?)"
+    assert state.is_completed(), (state.name, state.message)
+    for what, run_dir, samples in (("CLI", cli_dir / "run", 60), ("Prefect run", tmp_path / "flow", 80)):
+        rows = [row for ref in done_parts(run_dir, "responses") for row in read_part(ref).to_pylist()]
+        assert len(rows) == samples, run_dir
+        assert {r["status"] for r in rows} == {"done"}, f"{run_dir}: the outage failed samples"
+        attempts = max(r["attempts"] for r in rows)
+        assert attempts > MAX_ATTEMPTS, f"{run_dir}: no free attempt (did the outage hit?)"
+        print(f"{what}: {samples} samples done, none failed, most attempts of one sample {attempts}")
 
 
 def test_cli_against_a_port_where_nothing_ever_listens_exits_non_zero_without_failed_samples(
@@ -202,41 +255,3 @@ def test_cli_against_a_port_where_nothing_ever_listens_exits_non_zero_without_fa
     assert done.returncode != 0, done.stdout + done.stderr
     assert "outage_abort_s" in done.stderr and "Traceback" not in done.stderr
     assert not list((tmp_path / "run" / "responses").rglob("*.parquet")), "a sample got a row"
-
-
-@pytest.mark.usefixtures("prefect_harness")
-def test_prefect_run_rides_out_an_outage_longer_than_the_old_grace(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from flows.cli import demo_config_path
-    from flows.params import RunParameters
-    from flows.pipeline import pipeline
-    from tasks.common.shards import done_parts, read_part
-
-    first = SimulatorServer(tiny_model_dir, _outage_sim()).start()
-    port = first.port
-    overrides = {
-        "run_dir": str(tmp_path / "run"),
-        "endpoint.base_url": first.base_url,
-        "tokenizer.path": str(tiny_model_dir),
-        "extract.enabled": False,
-        "endpoint.max_in_flight": 4,
-        # 3, not 2: a request that fails in the instant the endpoint comes back is judged by a probe that finds
-        # it up again, and may use up one attempt; under a loaded machine that happens (README: outages)
-        "endpoint.max_attempts": 3,
-        "endpoint.backoff_base_s": 0.05,
-        "endpoint.backoff_max_s": 0.2,
-        "endpoint.outage_grace_s": OLD_GRACE_S,
-        "endpoint.outage_abort_s": 60.0,
-    }
-    outage = _take_down_and_bring_back(first, port, tiny_model_dir, after_requests=12)
-    try:
-        state = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides), return_state=True)
-    finally:
-        outage.join(timeout=60)
-        first.stop()
-        if outage.back is not None:
-            outage.back.stop()
-    assert outage.error is None, outage.error
-    assert state.is_completed(), (state.name, state.message)
-    rows = [row for ref in done_parts(tmp_path / "run", "responses") for row in read_part(ref).to_pylist()]
-    assert rows and {r["status"] for r in rows} == {"done"}, "the outage failed samples"
-    assert max(r["attempts"] for r in rows) > 3

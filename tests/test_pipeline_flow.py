@@ -13,12 +13,13 @@ import pytest
 
 from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.cli import demo_config_path
-from flows.params import RunParameters
+from flows.params import RunParameters, resolve_run
 from flows.pipeline import pipeline
 from tasks.common.config import TokenizerConfig
 from tasks.common.schemas import STAGES
 from tasks.common.shards import PartRef, done_parts, read_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt
+from tasks.validate.checks import summarize_validation
 from tests.conftest import DEMO_DATA
 
 
@@ -115,6 +116,18 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         assert _sim_total(sim.base_url) == sent, "a rerun re-sent requests for finished samples"
         assert {str(r): r.marker.stat().st_mtime_ns for s in STAGES for r in done_parts(run_dir, s)} == marker_times
         assert PartRef(run_dir, "tokens", 0).is_done()
+        # Nothing to build: no task run per part, no estimate of nothing; the summary and status the rerun
+        # publishes are the ones recorded for these inputs, equal to what reading every part again gives.
+        rerun = again.result()
+        assert sorted(t.name.rsplit("-", 1)[0] for t in _task_runs(again.state_details.flow_run_id)) == [
+            "prepare",
+            "validation-report",
+        ]
+        assert rerun["validation_summary"] == stats["validation_summary"]
+        assert rerun["validation_summary"] == summarize_validation(resolve_run(run).cfg)
+        assert rerun["status"] == stats["status"] and rerun["status"]["consistent"]
+        keys = _artifact_keys(again.state_details.flow_run_id)
+        assert {"validation-summary", "validation-report", "run-status", "run-status-table", "run-summary"} <= keys
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -164,3 +164,56 @@ def test_run_exits_at_the_failed_rate_gate_and_the_failure_summary_lists_the_sam
     assert summary is not None and "http_500" in str(summary.data)
     lines = (tmp_path / "run" / "failed_samples.jsonl").read_text().splitlines()
     assert any(json.loads(line)["reason"] == "http_500" for line in lines)
+
+
+def test_status_reuses_its_last_result_only_while_no_marker_quarantine_or_setting_changed(tmp_path: Path) -> None:
+    """Every run ends with a status pass: the result is kept with a key over every marker's bytes, the quarantine
+    file and the settings asked about, so a no-op status reads markers and one file, and any rewritten part, new
+    quarantined row or other recipe gives a result computed from the parts again."""
+    import pyarrow as pa
+
+    from tasks.common.schemas import PROMPTS
+    from tasks.common.shards import PartRef, write_part
+    from tasks.status.status_cache import CACHE_FILE
+
+    def prompts(ids: list[str]) -> pa.Table:
+        rows = [
+            {"sample_id": i, "dataset": "D", "source_file": "d.jsonl", "source_row": n, "prompt_id": i}
+            | {"messages": [{"role": "user", "content": f"question {i}"}], "sample_index": 0}
+            for n, i in enumerate(ids)
+        ]
+        return pa.Table.from_pylist(rows, schema=PROMPTS)
+
+    def expected() -> int:
+        return run_status(run_dir, extract_enabled=False).counts["D"]["prompts"].expected
+
+    run_dir = tmp_path / "run"
+    ref = PartRef(run_dir, "prompts", 0)
+    write_part(ref, prompts(["a", "b"]), {})
+    first = run_status(run_dir, extract_enabled=False)
+    cache = run_dir / CACHE_FILE
+    written = cache.read_bytes()
+    assert run_status(run_dir, extract_enabled=False).to_dict() == first.to_dict()
+    assert cache.read_bytes() == written, "nothing changed: the stored result is reused"
+
+    write_part(ref, prompts(["a", "b", "c"]), {})
+    assert expected() == 3, "a rewritten part was answered from the stored result"
+    key = json.loads(cache.read_text())["key"]
+    write_part(ref, prompts(["a", "b", "c"]), {})  # the same rows again: a new marker (its time), a new key
+    assert expected() == 3 and json.loads(cache.read_text())["key"] != key
+
+    write_part(PartRef(run_dir, "prompts", 1), prompts(["d"]), {})
+    ref.marker.unlink()  # a part whose marker is gone counts as missing at once
+    assert expected() == 1
+    assert run_status(run_dir, extract_enabled=False).parts["prompts"].missing == [0]
+
+    quarantine = run_dir / "prompts" / "_quarantine.jsonl"
+    quarantine.write_text(json.dumps({"dataset": "Q", "reason": "no messages"}) + "\n")
+    status = run_status(run_dir, extract_enabled=False)
+    assert "Q" in status.counts and len(status.quarantined) == 1
+
+    on = run_status(run_dir, extract_enabled=True)
+    assert "hidden_states" in on.stages and "hidden_states" not in status.stages, "settings are part of the key"
+
+    cache.write_text("{not json")
+    assert expected() == 1

@@ -83,16 +83,28 @@ def report_key(run_dir: Path, settings: dict[str, Any]) -> str:
     return recipe_digest({"parts": fps, "settings": settings})
 
 
+def _recorded(run_dir: Path, key: str) -> dict[str, Any]:
+    """The stamp's content when it was written from exactly these inputs (else empty)."""
+    try:
+        recorded = json.loads((run_dir / REPORT_STAMP).read_text())
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) and recorded.get("key") == key else {}
+
+
 def reusable_report(run_dir: Path, key: str) -> Path | None:
     """The report written from exactly these inputs, if it is still there: a no-op rerun does not redraw plots."""
-    stamp = run_dir / REPORT_STAMP
-    try:
-        recorded = json.loads(stamp.read_text())
-    except (OSError, ValueError):
-        return None
-    report = Path(recorded.get("report", ""))
-    return report if recorded.get("key") == key and report.is_file() else None
+    report = Path(_recorded(run_dir, key).get("report", ""))
+    return report if report.is_file() else None
 
 
-def record_report(run_dir: Path, key: str, report: Path) -> None:
-    atomic_write_text(run_dir / REPORT_STAMP, json.dumps({"key": key, "report": str(report)}))
+def recorded_summary(run_dir: Path, key: str) -> list[dict[str, Any]] | None:
+    """The validation summary computed from exactly these inputs (the key covers every part it reads and the
+    settings it applies), so a no-op rerun does not read every validation part again; None: compute it."""
+    summary = _recorded(run_dir, key).get("summary")
+    return summary if isinstance(summary, list) else None
+
+
+def record_report(run_dir: Path, key: str, report: Path, summary: list[dict[str, Any]] | None = None) -> None:
+    stamp = {"key": key, "report": str(report), "summary": summary}
+    atomic_write_text(run_dir / REPORT_STAMP, json.dumps(stamp, default=str))

@@ -3,7 +3,8 @@
 Invariant: the counts are reconciled across stages by sample id, each stage's expectation being what the stage
 before it finished (tokens expects every done response, hidden states every tokens row that validation did not
 fail), so "responses 80, tokens 3" shows as 77 missing tokens and a non-zero exit, never as two plain numbers.
-Only completion markers and id/status columns are read: no token ids, no texts, no tensors.
+Only completion markers and id/status columns are read: no token ids, no texts, no tensors; and while no marker,
+the quarantine file or the settings asked about changed, not even those (`tasks.status.status_cache`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tasks.common.failures import failure_class
 from tasks.common.schemas import STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state
 from tasks.prepare.datasets import QUARANTINE
+from tasks.status.status_cache import cached, status_key
 
 FAILED_FILE = "failed_samples.jsonl"
 """Written into the run directory by `status`: one JSON line per failed or quarantined sample, with its reason."""
@@ -94,6 +96,23 @@ class RunStatus:
                 )
         return out
 
+    def stored(self) -> dict[str, Any]:
+        """Everything but the run directory and the quarantined rows (read from their file each time)."""
+        return {
+            "counts": {d: {s: asdict(c) for s, c in st.items()} for d, st in self.counts.items()},
+            "parts": {s: asdict(p) for s, p in self.parts.items()},
+            "failed": self.failed,
+            "problems": self.problems,
+        }
+
+    @classmethod
+    def restore(
+        cls, run_dir: Path, stages: list[str], stored: Mapping[str, Any], quarantined: list[dict[str, Any]]
+    ) -> RunStatus:
+        counts = {d: {s: StageCount(**c) for s, c in st.items()} for d, st in stored["counts"].items()}
+        parts = {s: StageParts(**p) for s, p in stored["parts"].items()}
+        return cls(run_dir, stages, counts, parts, list(stored["failed"]), quarantined, list(stored["problems"]))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_dir": str(self.run_dir),
@@ -165,15 +184,17 @@ def _read_ids(ref: PartRef, columns: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _quarantined(run_dir: Path) -> list[dict[str, Any]]:
+def _quarantine_bytes(run_dir: Path) -> bytes | None:
     path = run_dir / "prompts" / QUARANTINE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            out.append(json.loads(line))
-    return out
+    return path.read_bytes() if path.is_file() else None
+
+
+def _parse_quarantine(raw: bytes | None) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (raw or b"").decode("utf-8").splitlines() if line.strip()]
+
+
+def _quarantined(run_dir: Path) -> list[dict[str, Any]]:
+    return _parse_quarantine(_quarantine_bytes(run_dir))
 
 
 def _validation_reason(row: Mapping[str, Any]) -> str:
@@ -191,7 +212,8 @@ def run_status(
 ) -> RunStatus:
     """Reconcile a run directory's stages. `recipes` (stage -> recipe digest) also marks parts built with another
     config stale; without it only changed input parts do. Extraction settings default to the run's last config
-    (`run_summary.json`), else to "enabled, skipping samples validation failed"."""
+    (`run_summary.json`), else to "enabled, skipping samples validation failed". The result of the last call is
+    reused while its key (every marker's bytes, the quarantine file, these settings) is unchanged."""
     run_dir = Path(run_dir)
     config = _run_config(run_dir)
     extract_cfg = config.get("extract", {})
@@ -201,7 +223,30 @@ def run_status(
         skip_failed_validation = bool(extract_cfg.get("skip_failed_validation", True))
     stages = [s for s in STAGES if s != "hidden_states" or extract_enabled]
     recipes = recipes or {}
+    numbers = {stage: _part_numbers(run_dir, stage) for stage in stages}
+    raw_quarantine = _quarantine_bytes(run_dir)
+    quarantined = _parse_quarantine(raw_quarantine)
+    settings = {
+        "stages": stages,
+        "recipes": {s: recipes.get(s) for s in stages},
+        "skip_failed_validation": skip_failed_validation,
+    }
+    key = status_key(run_dir, numbers, raw_quarantine, settings)
 
+    def compute() -> dict[str, Any]:
+        return _reconcile(run_dir, stages, numbers, recipes, skip_failed_validation, quarantined).stored()
+
+    return RunStatus.restore(run_dir, stages, cached(run_dir, key, compute), quarantined)
+
+
+def _reconcile(
+    run_dir: Path,
+    stages: list[str],
+    numbers: Mapping[str, list[int]],
+    recipes: Mapping[str, str | None],
+    skip_failed_validation: bool,
+    quarantined: list[dict[str, Any]],
+) -> RunStatus:
     # Per stage: which parts are current, and the rows of the current and stale ones.
     parts: dict[str, StageParts] = {}
     present: dict[str, dict[str, dict[str, Any]]] = {}
@@ -210,7 +255,7 @@ def run_status(
         sp = parts[stage] = StageParts()
         present[stage] = {}
         stale_ids[stage] = set()
-        for part in _part_numbers(run_dir, stage):
+        for part in numbers[stage]:
             ref = PartRef(run_dir, stage, part)
             inputs = input_fingerprints(ref, _stage_inputs(stage, skip_failed_validation))
             state: PartState = part_state(ref, Build(inputs, recipes.get(stage)))
@@ -226,9 +271,7 @@ def run_status(
                 stale_ids[stage].update(r["sample_id"] for r in rows)
 
     datasets: dict[str, str] = {sid: r["dataset"] for sid, r in present["prompts"].items()}
-    names = sorted(set(datasets.values()))
-    quarantined = _quarantined(run_dir)
-    names = sorted(set(names) | {q.get("dataset", "?") for q in quarantined})
+    names = sorted(set(datasets.values()) | {q.get("dataset", "?") for q in quarantined})
     counts: dict[str, dict[str, StageCount]] = {d: {s: StageCount() for s in stages} for d in names}
     failed: list[dict[str, Any]] = []
     problems: list[str] = []
