@@ -150,6 +150,7 @@ class Outage(threading.Thread):
             self.back.stop()
 
 
+@pytest.mark.slow  # 45 s of real time: `make test-long`, which CI runs after `make test`
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_45_s_outage_fails_no_sample_under_the_cli_and_under_a_prefect_run(
     tmp_path: Path, tokenizer_dir: Path, tiny_model_dir: Path
