@@ -28,7 +28,7 @@ from tasks.train.stage import speculators_layer_ids
 from tests.test_extract import make_cfg
 
 SAMPLES = 24
-OPTIONS = TrainOptions(epochs=8, lr=3e-3, total_seq_len=128, draft_vocab_size=512, val_fraction=0.25)
+OPTIONS = TrainOptions(epochs=5, lr=3e-3, total_seq_len=128, draft_vocab_size=512, val_fraction=0.25)
 
 
 def greedy_samples(model_dir: Path) -> list[tuple[list[int], list[int]]]:
