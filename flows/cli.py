@@ -12,13 +12,14 @@ Start with `eagle3-datagen demo` (a local simulated endpoint, nothing to configu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,20 @@ def _prefect_env() -> None:
         os.environ.setdefault(key, value)
     if not DEBUG:  # the run's log goes to stdout; stderr carries only the one-line error, if any
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_STREAM", "ext://sys.stdout")
+
+
+@contextlib.contextmanager
+def _heartbeats_only_for_a_server() -> Iterator[None]:
+    """Flow-run heartbeats let a Prefect server mark a run whose process died as crashed. Without
+    PREFECT_API_URL the run has a temporary server of its own that dies with it: nobody is told, and every flow
+    run would wait up to a second at its end for the heartbeat thread. With a server, they stay on."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield
+        return
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
 
 
 class _NoTraceback(logging.Filter):
@@ -98,7 +113,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tasks.generate.progress_display import show_progress
 
     started = time.monotonic()
-    with show_progress(enabled=not args.no_progress):
+    with show_progress(enabled=not args.no_progress), _heartbeats_only_for_a_server():
         stats = pipeline(run)
     if stats.get("dry_run"):
         print(stats["estimate"]["text"])
@@ -185,7 +200,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "endpoint.base_url": sim.base_url,
             "tokenizer.path": str(model_dir),
         }
-        stats = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides))
+        with _heartbeats_only_for_a_server():
+            stats = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides))
     wall_s = time.monotonic() - started
     print_demo_summary(stats, wall_s)
     _announce_quarantine(run_dir)

@@ -72,7 +72,14 @@ def sim(server: SimulatorServer, local: Responder) -> SimulatorServer:
 
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
+    """One API server for the in-process flow tests. Flow-run heartbeats are off here, as for the CLI's own
+    temporary server (flows/cli.py): nothing watches these runs for crashes, and each flow run would otherwise
+    wait up to a second for the heartbeat thread at its end (the deployment tests keep them on)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with (
+        prefect_test_harness(server_startup_timeout=120),
+        temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
+    ):
         yield
