@@ -395,9 +395,14 @@ def test_a_kill_9_of_a_real_prefect_run_keeps_paid_answers_and_counts_every_cent
     assert ledger.totals().total_usd <= CAP_USD
 
 
-def test_generate_checks_special_tokens_before_the_first_paid_request(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """`</think>` removed from the tokenizer: `generate` stops like `run` does, before sending anything."""
+def test_generate_checks_special_tokens_before_the_first_paid_request(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`</think>` removed from the tokenizer: `generate` stops like `run` does, before sending anything. (The
+    console script's `main`, in this process: the kill tests above run it as a process.)"""
     import shutil
+
+    from flows.cli import main
 
     broken = tmp_path / "tokenizer"
     shutil.copytree(tokenizer_dir, broken)
@@ -408,16 +413,12 @@ def test_generate_checks_special_tokens_before_the_first_paid_request(tmp_path: 
     write_dataset(data, 8, "tokens")
     with SimulatorServer(tokenizer_dir, SimConfig()) as sim:
         config = write_config(tmp_path, sim, broken, data)
-        done = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        capsys.readouterr()
+        code = main(["generate", str(config), "--no-progress"])
+        out, err = capsys.readouterr()
         sent = sim.stats(with_keys=False)["total_requests"]
-    assert done.returncode != 0, done.stdout + done.stderr
-    assert "</think>" in done.stderr and "Traceback" not in done.stderr
+    assert code != 0, out + err
+    assert "</think>" in err and "Traceback" not in out + err
     assert sent == 0 and sim.billing()["total_usd"] == 0.0
 
 
