@@ -130,35 +130,40 @@ async def project_client(
         ledger = LedgerWriter(Path(tmp), 0.2) if journaled else None
         journal = AppendLog(Path(tmp) / "journal.log", 0.2) if journaled else None
 
-        async def one(i: int) -> Any:
+        errors: list[str] = []
+
+        async def one(i: int) -> dict[str, Any]:
             sample_id = f"bench-{i}"
             outcome = await client.generate(pool[i % len(pool)], 0, AttemptTag(sample_id, "bench", 0))
-            if journal is not None:  # the row the engine would journal
-                row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
-                if outcome.result is not None:
-                    row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
-                row.update(status="done" if outcome.reason is None else "failed", failure_reason=outcome.reason)
+            # The row the engine builds (and journals), which is what it keeps of an answer: the outcome is dropped.
+            row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
+            if outcome.result is not None:
+                row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
+            failed = outcome.result is None or outcome.reason is not None
+            row.update(status="failed" if failed else "done", failure_reason=outcome.reason)
+            if journal is not None:
                 journal.submit({"p": 0, "r": row})
-            return outcome
+            if failed:
+                errors.append(f"{outcome.reason}: {outcome.error}")
+            return row
 
         async with EndpointClient(cfg, MARKERS, None, ledger=ledger) as client:
             with GcTimer() as gc_time:
                 started, cpu = time.perf_counter(), self_cpu_s()
-                outcomes = await asyncio.gather(*(one(i) for i in range(requests)))
+                rows = await asyncio.gather(*(one(i) for i in range(requests)))
                 wall, cpu = time.perf_counter() - started, self_cpu_s() - cpu
         logs = [log_ for log_ in (journal, ledger.log if ledger else None) if log_ is not None]
         for log_ in logs:
             log_.close()
-    failed = [o for o in outcomes if o.result is None or o.reason is not None]
-    if failed:
-        log(f"project: {len(failed)} failed, first: {failed[0].reason}: {failed[0].error}")
+    if errors:
+        log(f"project: {len(errors)} failed, first: {errors[0]}")
     return {
         "wall_s": wall,
         "cpu_s": cpu,
         "gc_s": gc_time.seconds,
         "gc_collections": gc_time.collections,
-        "failures": len(failed),
-        "retries": sum(max(0, o.attempts - 1) for o in outcomes),
+        "failures": len(errors),
+        "retries": sum(max(0, row["attempts"] - 1) for row in rows),
         "journal_writer_cpu_s": sum(log_.cpu_s for log_ in logs),
         "journal_bytes": sum(log_.bytes_written for log_ in logs),
     }
