@@ -11,6 +11,9 @@ for an openai_chat config):
   adds: each attempt's "sent" record in the spend ledger before the request leaves, its settlement, and the
   answer's row in the journal, fsynced every 0.2 s by the writer threads (`--no-journal` leaves them out).
   The journal's own cost is reported as the writer threads' CPU seconds per 1,000 requests and bytes per answer.
+  Each answer is turned into the row the engine builds (`_Run.record`, also with `--no-journal`), and, as in the
+  engine, the row is what is kept, not the `SampleOutcome` (earlier versions kept every outcome until the
+  end, so each full garbage collection rescanned thousands of result objects that a real run has dropped).
 
 Why a ratio against raw aiohttp rather than against the ideal C / latency: on a small machine the simulator
 and the client compete for the CPUs long before C / latency is reached, so the ideal says little about the
