@@ -11,6 +11,9 @@ for an openai_chat config):
   adds: each attempt's "sent" record in the spend ledger before the request leaves, its settlement, and the
   answer's row in the journal, fsynced every 0.2 s by the writer threads (`--no-journal` leaves them out).
   The journal's own cost is reported as the writer threads' CPU seconds per 1,000 requests and bytes per answer.
+  Each answer is turned into the row the engine builds (`_Run.record`, also with `--no-journal`), and, as in the
+  engine, the row is what is kept, not the `SampleOutcome` (earlier versions kept every outcome until the
+  end, so each full garbage collection rescanned thousands of result objects that a real run has dropped).
 
 Why a ratio against raw aiohttp rather than against the ideal C / latency: on a small machine the simulator
 and the client compete for the CPUs long before C / latency is reached, so the ideal says little about the
@@ -74,7 +77,7 @@ from _sim_process import (
 
 from endpoint_sim.responder import REASONING_CLOSE
 from tasks.common.messages import Message
-from tasks.generate.client import AttemptTag, EndpointClient
+from tasks.generate.client import AttemptTag, EndpointClient, SampleOutcome
 from tasks.generate.endpoints import CompletionMarkers, build_request
 from tasks.generate.engine import RESULT_FIELDS
 from tasks.generate.journal import AppendLog
@@ -91,6 +94,17 @@ def prompt_pool(size: int) -> list[list[Message]]:
         [Message(role="user", content=f"[throughput {i}] What lies NORTH of Paris, and how far is it in km?")]
         for i in range(size)
     ]
+
+
+def engine_row(sample_id: str, outcome: SampleOutcome) -> dict[str, Any]:
+    """The row the engine builds (`_Run.record`, outside the sample's coroutine) and journals: what it keeps of an
+    answer once the outcome is dropped."""
+    row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
+    if outcome.result is not None:
+        row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
+    failed = outcome.result is None or outcome.reason is not None
+    row.update(status="failed" if failed else "done", failure_reason=outcome.reason)
+    return row
 
 
 async def raw_client(url: str, payloads: list[dict[str, Any]], concurrency: int, requests: int) -> dict[str, Any]:
@@ -130,35 +144,35 @@ async def project_client(
         ledger = LedgerWriter(Path(tmp), 0.2) if journaled else None
         journal = AppendLog(Path(tmp) / "journal.log", 0.2) if journaled else None
 
-        async def one(i: int) -> Any:
+        errors: list[str] = []
+
+        async def one(i: int) -> dict[str, Any]:
             sample_id = f"bench-{i}"
             outcome = await client.generate(pool[i % len(pool)], 0, AttemptTag(sample_id, "bench", 0))
-            if journal is not None:  # the row the engine would journal
-                row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
-                if outcome.result is not None:
-                    row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
-                row.update(status="done" if outcome.reason is None else "failed", failure_reason=outcome.reason)
+            row = engine_row(sample_id, outcome)
+            if journal is not None:
                 journal.submit({"p": 0, "r": row})
-            return outcome
+            if row["status"] != "done":
+                errors.append(f"{outcome.reason}: {outcome.error}")
+            return row
 
         async with EndpointClient(cfg, MARKERS, None, ledger=ledger) as client:
             with GcTimer() as gc_time:
                 started, cpu = time.perf_counter(), self_cpu_s()
-                outcomes = await asyncio.gather(*(one(i) for i in range(requests)))
+                rows = await asyncio.gather(*(one(i) for i in range(requests)))
                 wall, cpu = time.perf_counter() - started, self_cpu_s() - cpu
         logs = [log_ for log_ in (journal, ledger.log if ledger else None) if log_ is not None]
         for log_ in logs:
             log_.close()
-    failed = [o for o in outcomes if o.result is None or o.reason is not None]
-    if failed:
-        log(f"project: {len(failed)} failed, first: {failed[0].reason}: {failed[0].error}")
+    if errors:
+        log(f"project: {len(errors)} failed, first: {errors[0]}")
     return {
         "wall_s": wall,
         "cpu_s": cpu,
         "gc_s": gc_time.seconds,
         "gc_collections": gc_time.collections,
-        "failures": len(failed),
-        "retries": sum(max(0, o.attempts - 1) for o in outcomes),
+        "failures": len(errors),
+        "retries": sum(max(0, row["attempts"] - 1) for row in rows),
         "journal_writer_cpu_s": sum(log_.cpu_s for log_ in logs),
         "journal_bytes": sum(log_.bytes_written for log_ in logs),
     }

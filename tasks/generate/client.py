@@ -21,10 +21,11 @@ import random
 import resource
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from transformers import PreTrainedTokenizerBase
@@ -87,25 +88,16 @@ class BudgetExhausted(Exception):
     """No request may start: its worst-case cost would cross `max_cost_usd`."""
 
 
-@dataclass(frozen=True)
-class AttemptTag:
-    """Which sample an attempt belongs to, for its spend ledger records."""
+class AttemptTag(NamedTuple):
+    """Which sample an attempt belongs to, for its spend ledger records. A tuple of atoms, so the garbage
+    collector stops tracking it: thousands are alive at once, one per sample waiting or in flight."""
 
     sample_id: str
     dataset: str
     part: int
 
 
-@dataclass
-class _Attempt:
-    """One attempt's ledger identity: `uid` is set once its "sent" record is written, right before the POST."""
-
-    tag: AttemptTag | None
-    worst_usd: float
-    uid: str | None = None
-
-
-@dataclass
+@dataclass(slots=True)
 class SampleOutcome:
     """What happened to one request chain: a result, the reason it failed, or `budget_stopped` (never sent,
     or abandoned between retries, because of the cost cap: the sample stays pending for a rerun)."""
@@ -137,6 +129,10 @@ def parse_retry_after(value: str | None) -> float | None:
 def backoff_delay(attempt: int, base_s: float, max_s: float, rng: random.Random) -> float:
     """Exponential backoff with full jitter: requests that failed together do not all retry together."""
     return rng.uniform(0.0, min(max_s, base_s * 2.0 ** min(attempt - 1, 60)))
+
+
+def _blank(text: str | None) -> bool:
+    return not text or text.isspace()
 
 
 def ensure_open_files(needed: int) -> None:
@@ -378,41 +374,88 @@ class EndpointClient:
         self, messages: list[Message] | list[dict[str, Any]], sample_index: int = 0, tag: AttemptTag | None = None
     ) -> SampleOutcome:
         """Retries until success, a sample-fatal answer, `max_attempts`, or the budget; run-fatal answers raise.
-        Every attempt that leaves the process is in the spend ledger (when there is one) before it is sent."""
+        Every attempt that leaves the process is in the spend ledger (when there is one) before it is sent.
+
+        Thousands of these run at once, each alive for a whole round trip, so the per-request state is kept
+        small: every object alive across a round trip is rescanned by each full garbage collection, which was
+        half of the client's CPU at 4,000 in flight (`bench/client_throughput.py`). Hence one coroutine per
+        request (the POST is inline, not a nested coroutine), the ledger uid as a local, no retry list until a
+        retry, and the body encoded once per sample."""
         ep = self.cfg.endpoint
+        budget = self.budget
         request = build_request(self.cfg, messages, self.tokenizer, sample_index)
-        metered = self.budget.cap_usd is not None or self.ledger is not None
+        metered = budget.cap_usd is not None or self.ledger is not None
         worst = self.worst_case_usd(request, messages) if metered else 0.0
+        # The bytes aiohttp's `json=` would encode on every attempt; what waits for the window and what a retry
+        # resends is then one bytes object, not a dict tree.
+        url, prompt_ids, data = request.url, request.prompt_ids, json.dumps(request.payload).encode()
+        del request
         attempt = charged = 0
         cost = 0.0
-        retries: list[str] = []
+        retries: list[str] | None = None
         while True:
-            try:
-                await self.budget.reserve(worst, retry=attempt > 0)
-            except BudgetExhausted as exc:
-                return SampleOutcome(None, "budget", str(exc), attempt, None, retries, cost, budget_stopped=True)
+            if budget.cap_usd is not None:  # without a cap `reserve` returns at once: no coroutine per attempt
+                try:
+                    await budget.reserve(worst, retry=attempt > 0)
+                except BudgetExhausted as exc:
+                    return SampleOutcome(
+                        None, "budget", str(exc), attempt, None, retries or [], cost, budget_stopped=True
+                    )
             attempt += 1
             started = time.perf_counter()
-            sent = _Attempt(tag, worst)
+            uid: str | None = None  # set once the attempt's "sent" record is written, right before the POST
             successes_before, sent_at = self.successes, time.monotonic()
             try:
-                result = await self._send(request, sent)
+                if self._session is None:
+                    raise RuntimeError("EndpointClient used outside 'async with'")
+                seq = await self.window.acquire()
+                uid = self._admitted(tag, worst)
+                try:
+                    async with self._session.post(url, data=data) as resp:  # Content-Type: the session's (JSON)
+                        status, headers = resp.status, resp.headers
+                        if status in RATE_LIMIT_STATUS and (status != 402 or "Retry-After" in headers):
+                            # Before the slot is released: otherwise a waiter takes it under the limit that just
+                            # failed.
+                            self.window.on_rate_limited(seq, parse_retry_after(headers.get("Retry-After")))
+                        if status == 200 and resp.content_type == "text/event-stream":
+                            body = await self._read_stream(resp)
+                            raw = b""
+                        else:
+                            raw = await resp.read()
+                            body = None
+                except TimeoutError as exc:
+                    raise RetryableError(
+                        "timeout",
+                        f"request timed out ({type(exc).__name__})",
+                        billed=None,
+                        generation_id=getattr(exc, "generation_id", None),
+                    ) from exc
+                except aiohttp.ClientError as exc:
+                    raise RetryableError(
+                        "connection",
+                        self.redact(f"{type(exc).__name__}: {exc}"),
+                        billed=None,
+                        generation_id=getattr(exc, "generation_id", None),
+                    ) from exc
+                finally:
+                    self.window.release()
+                result = self._answer(status, headers, raw, body, url, prompt_ids)
             except SampleFatalError as exc:
-                self.budget.settle(worst, 0.0)
-                self._settled(sent, 0.0, None, exc.reason)
-                return SampleOutcome(None, exc.reason, str(exc), attempt, None, retries, cost)
+                budget.settle(worst, 0.0)
+                self._settled(uid, worst, 0.0, None, exc.reason)
+                return SampleOutcome(None, exc.reason, str(exc), attempt, None, retries or [], cost)
             except RetryableError as exc:
                 billed = worst if exc.billed is None else exc.billed
-                self.budget.settle(worst, billed)
-                self._settled(sent, exc.billed, exc.generation_id, exc.reason)
+                budget.settle(worst, billed)
+                self._settled(uid, worst, exc.billed, exc.generation_id, exc.reason)
                 cost += exc.billed or 0.0  # the row's known cost; the ledger counts an unknown at worst case
-                outage = exc.reason in OUTAGE_REASONS and await self._outage_check(
-                    request.url, exc, successes_before, sent_at
-                )
+                outage = exc.reason in OUTAGE_REASONS and await self._outage_check(url, exc, successes_before, sent_at)
                 charged += not outage
                 if charged >= ep.max_attempts:
                     message = f"gave up after {attempt} attempts: {exc}"
-                    return SampleOutcome(None, exc.reason, message, attempt, None, retries, cost)
+                    return SampleOutcome(None, exc.reason, message, attempt, None, retries or [], cost)
+                if retries is None:
+                    retries = []
                 retries.append(exc.reason)
                 delay = backoff_delay(attempt if outage else charged, ep.backoff_base_s, ep.backoff_max_s, self.rng)
                 if exc.retry_after_s is not None:
@@ -421,24 +464,42 @@ class EndpointClient:
                 continue
             except BaseException:
                 # Cancelled or run-fatal: once sent, what it cost is unknown, so it counts at its worst case.
-                self.budget.settle(worst, worst if sent.uid is not None else 0.0)
-                self._settled(sent, None, None, "cancelled")
+                budget.settle(worst, worst if uid is not None else 0.0)
+                self._settled(uid, worst, None, None, "cancelled")
                 raise
-            self.budget.settle(worst, result.cost_usd or 0.0)
-            self._settled(sent, result.cost_usd or 0.0, result.generation_id, None)
+            budget.settle(worst, result.cost_usd or 0.0)
+            self._settled(uid, worst, result.cost_usd or 0.0, result.generation_id, None)
             cost += result.cost_usd or 0.0
             latency = time.perf_counter() - started
             # /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of
             # 404 retries per sample.
             if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
                 result.billed_cost_usd = await self.lookup_cost(result.generation_id)
-            return SampleOutcome(result, None, None, attempt, latency, retries, cost)
+            return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
 
-    def _settled(self, sent: _Attempt, cost: float | None, generation_id: str | None, reason: str | None) -> None:
-        if self.ledger is not None and sent.uid is not None:
-            self.ledger.settled(sent.uid, cost, generation_id, reason)
+    def _admitted(self, tag: AttemptTag | None, worst_usd: float) -> str | None:
+        """Right after a window slot is granted, before the POST: refuse if the run hit a run-fatal answer, else
+        write the attempt's "sent" ledger record and return its uid. The slot is released if either raises."""
+        if self._fatal is not None:
+            self.window.release()
+            raise FatalEndpointError(str(self._fatal))
+        uid = None
+        if self.ledger is not None and tag is not None:
+            try:
+                uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, worst_usd)
+            except BaseException:
+                self.window.release()
+                raise
+        self.requests_sent += 1
+        return uid
+
+    def _settled(
+        self, uid: str | None, worst_usd: float, cost: float | None, generation_id: str | None, reason: str | None
+    ) -> None:
+        if self.ledger is not None and uid is not None:
+            self.ledger.settled(uid, cost, generation_id, reason)
             if cost is None and generation_id:
-                self.unknown_with_id.append((sent.uid, generation_id, sent.worst_usd))
+                self.unknown_with_id.append((uid, generation_id, worst_usd))
 
     async def _outage_check(self, url: str, exc: RetryableError, successes_before: int, sent_at: float) -> bool:
         """True when a transport failure should not use up the sample's attempts because the endpoint as a
@@ -481,59 +542,26 @@ class EndpointClient:
         except (TimeoutError, aiohttp.ClientError):
             return True
 
-    async def _send(self, request: EndpointRequest, sent: _Attempt | None = None) -> GenerationResult:
-        if self._session is None:
-            raise RuntimeError("EndpointClient used outside 'async with'")
-        seq = await self.window.acquire()
-        if self._fatal is not None:
-            self.window.release()
-            raise FatalEndpointError(str(self._fatal))
-        if self.ledger is not None and sent is not None and sent.tag is not None:
-            try:
-                tag = sent.tag
-                sent.uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, sent.worst_usd)
-            except BaseException:
-                self.window.release()
-                raise
-        self.requests_sent += 1
-        try:
-            async with self._session.post(request.url, json=request.payload) as resp:
-                status, headers = resp.status, resp.headers
-                if status in RATE_LIMIT_STATUS and (status != 402 or "Retry-After" in headers):
-                    # Before the slot is released: otherwise a waiter takes it under the limit that just failed.
-                    self.window.on_rate_limited(seq, parse_retry_after(headers.get("Retry-After")))
-                if status == 200 and resp.content_type == "text/event-stream":
-                    body = await self._read_stream(resp)
-                    raw = b""
-                else:
-                    raw = await resp.read()
-                    body = None
-        except TimeoutError as exc:
-            raise RetryableError(
-                "timeout",
-                f"request timed out ({type(exc).__name__})",
-                billed=None,
-                generation_id=getattr(exc, "generation_id", None),
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise RetryableError(
-                "connection",
-                self.redact(f"{type(exc).__name__}: {exc}"),
-                billed=None,
-                generation_id=getattr(exc, "generation_id", None),
-            ) from exc
-        finally:
-            self.window.release()
+    def _answer(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        raw: bytes,
+        body: dict[str, Any] | None,
+        url: str,
+        prompt_ids: list[int] | None,
+    ) -> GenerationResult:
+        """The result an answer carries, or the error class it belongs to (raised)."""
         if status != 200:
             snippet = self.redact(raw.decode("utf-8", errors="replace"))[:ERROR_SNIPPET_CHARS]
-            self._classify_status(status, headers.get("Retry-After"), snippet, request.url)
+            self._classify_status(status, headers.get("Retry-After"), snippet, url)
         if body is None:
             body = self._json_body(raw)
         if body.get("error"):
             error = self.redact(json.dumps(body["error"], ensure_ascii=False))[:ERROR_SNIPPET_CHARS]
             raise RetryableError("error_body", f"HTTP 200 carrying an error: {error}")
         try:
-            result = parse_response(self.cfg, body, self.markers, request.prompt_ids, self.tokenizer)
+            result = parse_response(self.cfg, body, self.markers, prompt_ids, self.tokenizer)
         except MalformedResponseError as exc:
             raise RetryableError("malformed_response", self.redact(str(exc)), billed=None) from exc
         self._check_answer(result)
@@ -595,10 +623,11 @@ class EndpointClient:
                 f"{len(result.content or '')} content chars (partial answer discarded)",
                 billed=billed,
             )
-        reasoning, content = (result.reasoning or "").strip(), (result.content or "").strip()
-        if result.finish_reason != "length" and not reasoning and not content:
+        # `_blank(s)` is `not s.strip()` without copying the answer's text.
+        no_reasoning = _blank(result.reasoning)
+        if result.finish_reason != "length" and no_reasoning and _blank(result.content):
             raise RetryableError("empty_response", "answer has neither content nor reasoning", billed=billed)
-        if self.cfg.endpoint.require_reasoning and not reasoning:
+        if self.cfg.endpoint.require_reasoning and no_reasoning:
             raise RetryableError(
                 "empty_reasoning", "answer has no reasoning (endpoint.require_reasoning)", billed=billed
             )

@@ -44,7 +44,7 @@ class EndpointRequest:
     prompt_ids: list[int] | None
 
 
-@dataclass
+@dataclass(slots=True)
 class GenerationResult:
     """One answer as the endpoint reported it; `cost_usd` is what this attempt was billed (usage.cost or the
     price table), `billed_cost_usd` what OpenRouter's generation record says afterwards (reconciliation)."""

@@ -22,7 +22,8 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from json.encoder import c_make_encoder, encode_basestring, encode_basestring_ascii  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,37 @@ MAX_RECORD_BYTES = 256 * 1024**2
 WRITE_EVERY_S = 0.02
 
 
+def _json_encoder(ascii_only: bool) -> Callable[[Any], str]:
+    """`json.dumps` as one prebuilt encoder: `json.dumps` builds json's C encoder anew on every call (and a
+    `JSONEncoder` first when any option is set), a quarter of a row's encoding time and half of a small record's.
+    Same output as `json.dumps(record)` (`ascii_only`) or `json.dumps(record, separators=(",", ":"),
+    ensure_ascii=False)`. Built without a circular-reference check: records are trees of JSON values, and a shared
+    check would be state shared by the event loop and the writer thread."""
+    reference = json.JSONEncoder() if ascii_only else json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+    if c_make_encoder is None:  # an interpreter without json's C accelerator
+        return reference.encode
+    encode = c_make_encoder(
+        None,
+        reference.default,
+        encode_basestring_ascii if ascii_only else encode_basestring,
+        None,
+        reference.key_separator,
+        reference.item_separator,
+        False,
+        False,
+        True,
+    )
+    return lambda record: "".join(encode(record, 0))
+
+
+_COMPACT = _json_encoder(ascii_only=False)
+_ASCII = _json_encoder(ascii_only=True)
+
+
 def encode_frame(record: Any, compact: bool = True) -> bytes:
-    """`compact`: UTF-8 as is and no spaces (smaller, for rows); else json's cached default encoder (ASCII
-    escapes), the fastest call for the small records written on the event loop."""
-    text = json.dumps(record, separators=(",", ":"), ensure_ascii=False) if compact else json.dumps(record)
-    payload = text.encode()
+    """`compact`: UTF-8 as is and no spaces (smaller, for rows); else ASCII escapes and json's default spacing,
+    the cheaper of the two for the small records written on the event loop."""
+    payload = (_COMPACT(record) if compact else _ASCII(record)).encode()
     return HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
