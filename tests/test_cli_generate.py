@@ -1,5 +1,6 @@
-"""`eagle3-datagen generate` as a real subprocess against the simulator: exit codes, the per-dataset table, the
-JSON total, the non-terminal status line, no Prefect import, and an API key that never reaches the output."""
+"""`eagle3-datagen generate` against the simulator (the first test as a real subprocess, the others through the
+console script's `main` in this process): exit codes, the per-dataset table, the JSON total, the non-terminal
+status line, no Prefect import, and an API key that never reaches the output."""
 
 from __future__ import annotations
 
@@ -64,6 +65,20 @@ def generate(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def generate_here(capsys: pytest.CaptureFixture[str], config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """The console script's `main` in this process (a process start costs seconds; the first test runs one)."""
+    from flows import cli as cli_module
+
+    capsys.readouterr()
+    try:
+        code = cli_module.main(["generate", str(config), *extra])
+    finally:
+        cli_module._SECRETS.clear()
+    out, err = capsys.readouterr()
+    assert API_KEY not in out + err
+    return subprocess.CompletedProcess(["generate", str(config), *extra], code, out, err)
+
+
 def total_line(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
@@ -98,18 +113,18 @@ def test_generate_completes_prints_the_table_and_the_total(
 
 
 def test_budget_cap_exits_3_and_a_higher_cap_continues_without_resending(
-    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # worst case per request ~ 1024 completion tokens * $2/Mtok = $0.002; real answers cost ~ $0.0003
     config = write_config(tmp_path, sim, tokenizer_dir, max_cost_usd=0.0025, max_in_flight=1, min_in_flight=1)
-    stopped = generate(config)
+    stopped = generate_here(capsys, config, "--no-progress")
     assert stopped.returncode == 3, stopped.stderr
     first = total_line(stopped)
     assert first["stopped"] == "budget" and 0 < first["done"] < SAMPLES
     assert "stopped at the budget cap" in stopped.stderr and "endpoint.max_cost_usd" in stopped.stderr
     assert "Traceback" not in stopped.stderr
 
-    resumed = generate(config, "--set", "endpoint.max_cost_usd=1.0")
+    resumed = generate_here(capsys, config, "--no-progress", "--set", "endpoint.max_cost_usd=1.0")
     assert resumed.returncode == 0, resumed.stderr
     second = total_line(resumed)
     assert second["done"] == SAMPLES - first["done"], "already-done samples were sent again"
@@ -117,11 +132,11 @@ def test_budget_cap_exits_3_and_a_higher_cap_continues_without_resending(
 
 
 def test_a_refused_key_exits_4_with_the_message_and_no_traceback(
-    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     wrong = "sk-wrong-9d2e4b-also-secret"
     config = write_config(tmp_path, sim, tokenizer_dir, api_key=wrong)
-    refused = generate(config, "--no-progress")
+    refused = generate_here(capsys, config, "--no-progress")
     assert refused.returncode == 4  # flows/exit_codes.py: endpoint refused the run
     assert "401" in refused.stderr and "Traceback" not in refused.stderr
     assert wrong not in refused.stdout + refused.stderr
