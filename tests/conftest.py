@@ -26,7 +26,7 @@ from endpoint_sim.responder import Responder, SimConfig  # noqa: E402
 from endpoint_sim.server import SimulatorServer  # noqa: E402
 from tasks.common.config import TokenizerConfig  # noqa: E402
 from tasks.reconstruct.tokenizer_loading import load_tokenizer  # noqa: E402
-from tests.prefect_cluster import deployed_cluster  # noqa: E402, F401  (one loopback cluster per session)
+from tests.prefect_cluster import deployed_cluster, start_in_background  # noqa: E402, F401  (one per session)
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "flows" / "data"
@@ -83,3 +83,7 @@ def prefect_harness() -> Iterator[None]:
         temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
     ):
         yield
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    start_in_background(session)

@@ -2,10 +2,13 @@
 `prefect server start`, an S3-compatible server (moto), the endpoint simulator started as the README says, the
 README's `EAGLE3_DEMO_BLOCKS=1 deployments/setup.sh`, and three process workers (two on eagle3-cpu, one on
 eagle3-gpu), each its own "host": its own local cache directory, sharing only the Prefect server and S3.
+A session whose collected tests use it starts it in the background as soon as collection ends (conftest), so its
+20-30 s of process start-ups overlap the tests that run before the first one that needs it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -13,6 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,35 +206,81 @@ def _start_documented_simulator(c: Cluster) -> Any:
     return ready
 
 
-@pytest.fixture(scope="session")
-def deployed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("prefect-cluster"))
+def _bring_up(c: Cluster) -> None:
     server = c.spawn(
         [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(c.port)], c.server_env, "server.log"
     )
-    try:  # the three servers start side by side; then each is waited for
-        s3_ready, sim_ready = _start_s3(c), _start_documented_simulator(c)
-        healthy = lambda: httpx.get(f"{c.url}/health", timeout=2).status_code == 200  # noqa: E731
-        wait_until("prefect server", healthy, server, c.root / "server.log")
-        s3_ready()
-        sim_ready()
-        demo = {
-            "EAGLE3_DEMO_BLOCKS": "1",
-            "EAGLE3_DEMO_ENDPOINT": c.sim_url,
-            "EAGLE3_DEMO_RUNS_DIR": str(c.root / "shared-runs"),
-        }
-        setup = subprocess.run(
-            ["bash", "deployments/setup.sh"],
-            env={**c.client_env, **demo},
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert setup.returncode == 0, f"{setup.stdout}\n{setup.stderr}"
-        c.setup_stdout = setup.stdout
-        for pool, host in (("eagle3-cpu", "cpu-a"), ("eagle3-cpu", "cpu-b"), ("eagle3-gpu", "gpu")):
-            c.start_worker(pool, host)
+    # the three servers start side by side; then each is waited for
+    s3_ready, sim_ready = _start_s3(c), _start_documented_simulator(c)
+    healthy = lambda: httpx.get(f"{c.url}/health", timeout=2).status_code == 200  # noqa: E731
+    wait_until("prefect server", healthy, server, c.root / "server.log")
+    s3_ready()
+    sim_ready()
+    demo = {
+        "EAGLE3_DEMO_BLOCKS": "1",
+        "EAGLE3_DEMO_ENDPOINT": c.sim_url,
+        "EAGLE3_DEMO_RUNS_DIR": str(c.root / "shared-runs"),
+    }
+    setup = subprocess.run(
+        ["bash", "deployments/setup.sh"],
+        env={**c.client_env, **demo},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert setup.returncode == 0, f"{setup.stdout}\n{setup.stderr}"
+    c.setup_stdout = setup.stdout
+    for pool, host in (("eagle3-cpu", "cpu-a"), ("eagle3-cpu", "cpu-b"), ("eagle3-gpu", "gpu")):
+        c.start_worker(pool, host)
+
+
+class _Background(threading.Thread):
+    """The cluster coming up while the tests before the first one that needs it run: it is mostly waiting on
+    processes that start (20-30 s), which the suite need not wait for in a row."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(name="prefect-cluster", daemon=True)
+        self.cluster = Cluster(root)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            _bring_up(self.cluster)
+        except BaseException as exc:
+            self.error = exc
+
+
+_BACKGROUND: list[_Background] = []
+
+
+def start_in_background(session: pytest.Session) -> None:
+    """Called once collection is final: only a session that will use the cluster starts it."""
+    if any("deployed_cluster" in getattr(item, "fixturenames", ()) for item in session.items):
+        root = Path(tempfile.mkdtemp(prefix="eagle3-prefect-cluster-"))
+        starting = _Background(root)
+        _BACKGROUND.append(starting)
+        atexit.register(starting.cluster.stop)
+        starting.start()
+
+
+@pytest.fixture(scope="session")
+def deployed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if _BACKGROUND:
+        starting = _BACKGROUND[0]
+        starting.join(timeout=600)
+        c = starting.cluster
+        try:
+            assert not starting.is_alive(), f"the cluster did not come up in 600 s: {dump(c)}"
+            if starting.error is not None:
+                raise starting.error
+            yield c
+        finally:
+            c.stop()
+        return
+    c = Cluster(tmp_path_factory.mktemp("prefect-cluster"))
+    try:
+        _bring_up(c)
         yield c
     finally:
         c.stop()
