@@ -86,13 +86,24 @@ def snapshot(root: Path) -> dict[str, str]:
     }
 
 
-def cli(*args: str, prefect_api: str | None = None, key: str = API_KEY) -> subprocess.CompletedProcess[str]:
+def start_cli(*args: str, prefect_api: str | None = None, key: str = API_KEY) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(EAGLE3_TEST_KEY=key, PYTHONPATH=str(REPO), COLUMNS="200")
     if prefect_api:
         env["PREFECT_API_URL"] = prefect_api
     cmd = [sys.executable, "-c", ENTRY, *args]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(
+        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def finished(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def cli(*args: str, prefect_api: str | None = None, key: str = API_KEY) -> subprocess.CompletedProcess[str]:
+    return finished(start_cli(*args, prefect_api=prefect_api, key=key))
 
 
 def call(capsys: pytest.CaptureFixture[str], *args: str, key: str = API_KEY) -> subprocess.CompletedProcess[str]:
@@ -229,12 +240,16 @@ def test_run_reports_prefect_failures_as_one_line(
     """Through the Prefect flow, as a real process: a 401 (once a misleading 'no running event loop' and 2-9
     tracebacks) and an input whose rows are all quarantined."""
     config, code, needle = _bad_inputs(tmp_path, sim, tokenizer_dir)["all rows quarantined"]
+    (tmp_path / "refused").mkdir()
+    ok = write_config(tmp_path / "refused", sim, tokenizer_dir)
     before = snapshot(config.parent)
-    assert_one_line_error(cli("run", str(config), "--no-progress", prefect_api=prefect_api), code, needle)
+    # two independent runs (own folders, own run directories), side by side: each is seconds of start-up
+    quarantined = start_cli("run", str(config), "--no-progress", prefect_api=prefect_api)
+    refusing = start_cli("run", str(ok), "--no-progress", prefect_api=prefect_api, key="sk-wrong")
+    assert_one_line_error(finished(quarantined), code, needle)
     after = snapshot(config.parent)
     assert all(after.get(path) == digest for path, digest in before.items()), "files changed"
-    ok = write_config(tmp_path, sim, tokenizer_dir)
-    refused = cli("run", str(ok), "--no-progress", prefect_api=prefect_api, key="sk-wrong")
+    refused = finished(refusing)
     assert_one_line_error(refused, ExitCode.ENDPOINT, "401")
     assert "no running event loop" not in refused.stdout
 

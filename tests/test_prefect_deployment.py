@@ -102,9 +102,13 @@ def test_shipped_deployments_run_from_the_run_button_on_workers_and_wait_out_a_t
     assert names[-1] == "Completed" and "Failed" not in names, names
     assert c.sim("GET", "/_sim/stats")["probes"] >= 2
 
-    c.run_to_completion("eagle3-extract/extract-gpu")
+    # Both pressed at once, as a user might: the nightly run's GPU stage queues behind the extract run (the GPU
+    # pool takes one run at a time) and both find nothing left to do.
     nightly_params = {"run": {**nightly["parameters"]["run"], "cpu_task_runner": "dask", "dask_workers": 2}}
-    c.run_to_completion("eagle3-pipeline/nightly-rerun", nightly_params)
+    triggered = [c.trigger("eagle3-extract/extract-gpu"), c.trigger("eagle3-pipeline/nightly-rerun", nightly_params)]
+    for flow_run in triggered:
+        final = c.wait_flow_run(flow_run["id"])
+        assert final["state"]["type"] == "COMPLETED", (final["name"], final["state"])
     assert len(done_parts(run_dir, "hidden_states")) == parts, "a rerun of a finished run adds nothing"
 
     for path in [*run_dir.rglob("*.parquet"), *run_dir.rglob("*.json"), *c.root.glob("*.log")]:
