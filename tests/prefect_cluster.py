@@ -256,6 +256,8 @@ _BACKGROUND: list[_Background] = []
 
 def start_in_background(session: pytest.Session) -> None:
     """Called once collection is final: only a session that will use the cluster starts it."""
+    if session.config.option.collectonly:
+        return
     if any("deployed_cluster" in getattr(item, "fixturenames", ()) for item in session.items):
         root = Path(tempfile.mkdtemp(prefix="eagle3-prefect-cluster-"))
         starting = _Background(root)
