@@ -25,6 +25,7 @@ from flows.exit_codes import ExitCode
 from tasks.common.shards import done_parts, read_part
 from tasks.generate.chunks import CHUNKS_DIR, journal_rows, read_chunk
 from tasks.generate.ledger import SpendLedger
+from tests.cli_zygote import CliZygote, ForkedCli
 from tests.conftest import REPO
 
 PROMPTS = 800
@@ -117,19 +118,12 @@ def durable_rows(run_dir: Path) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def wait_for_billed(sim: SimulatorServer, proc: subprocess.Popen[bytes], target: int, log: Path) -> None:
+def wait_for_billed(sim: SimulatorServer, proc: subprocess.Popen[bytes] | ForkedCli, target: int, log: Path) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while len(billed(sim)) < target:
-        assert proc.poll() is None, f"generate exited ({proc.returncode}) before it was killed:\n{log.read_text()}"
+        assert proc.poll() is None, f"generate exited before it was killed:\n{log.read_text()}"
         assert time.monotonic() < deadline, f"no {target} answers after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}"
         time.sleep(0.01)
-
-
-def kill_9(proc: subprocess.Popen[bytes], log: Path) -> float:
-    killed_at = time.monotonic()
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL, f"generate ended by itself:\n{log.read_text()}"
-    return killed_at
 
 
 def check_ledger_against_provider(run_dir: Path, sim: SimulatorServer) -> SpendLedger:
@@ -162,26 +156,29 @@ def test_ten_kill_9s_keep_every_paid_answer_and_count_every_cent(tmp_path: Path,
     with SimulatorServer(tokenizer_dir, SIM) as sim:
         config = write_config(tmp_path, sim, tokenizer_dir, data)
         kills: list[tuple[int, float, dict[str, dict[str, Any]], Counter[str]]] = []
-        for _ in range(KILLS):
-            before = len(billed(sim))
-            remaining = PROMPTS - len([r for r in durable_rows(run_dir).values() if r["status"] == "done"])
-            assert remaining > 4 * IN_FLIGHT, "the kills used up the work: raise PROMPTS"
-            proc = cli(config, log)
-            try:
-                wait_for_billed(sim, proc, before + rng.randint(20, 90), log)
-                time.sleep(rng.uniform(0.0, 0.2))
-            finally:
-                killed_at = kill_9(proc, log)
-            time.sleep(0.3)  # let the server bill whatever the dead client's sockets had already carried
-            durable = durable_rows(run_dir)
-            kills.append((before, killed_at, durable, Counter(sim.stats()["by_key"])))
-            keys_done = {r["generation_id"] for r in durable.values() if r["status"] == "done"}
-            lost_per_kill.append(
-                sum(1 for r in billed(sim)[before:] if r["id"] not in keys_done and r["billed_at"] < killed_at)
-            )
-            ledger = SpendLedger.load(run_dir)
-            assert ledger.totals().total_usd <= CAP_USD, "(d) the ledger crossed the cap"
-            assert sum(r["cost_usd"] for r in billed(sim)) <= CAP_USD, "(d) the provider billed past the cap"
+        # The killed runs are forked from a parent that imported the CLI once (tests/cli_zygote.py): each is a
+        # process of its own running the console script's `main`; the final run starts from scratch.
+        with CliZygote(REPO) as zygote:
+            for _ in range(KILLS):
+                before = len(billed(sim))
+                remaining = PROMPTS - len([r for r in durable_rows(run_dir).values() if r["status"] == "done"])
+                assert remaining > 4 * IN_FLIGHT, "the kills used up the work: raise PROMPTS"
+                forked = zygote.start(["generate", str(config), "--no-progress"], log)
+                try:
+                    wait_for_billed(sim, forked, before + rng.randint(20, 90), log)
+                    time.sleep(rng.uniform(0.0, 0.2))
+                finally:
+                    killed_at = forked.kill_9()
+                time.sleep(0.3)  # let the server bill whatever the dead client's sockets had already carried
+                durable = durable_rows(run_dir)
+                kills.append((before, killed_at, durable, Counter(sim.stats()["by_key"])))
+                keys_done = {r["generation_id"] for r in durable.values() if r["status"] == "done"}
+                lost_per_kill.append(
+                    sum(1 for r in billed(sim)[before:] if r["id"] not in keys_done and r["billed_at"] < killed_at)
+                )
+                ledger = SpendLedger.load(run_dir)
+                assert ledger.totals().total_usd <= CAP_USD, "(d) the ledger crossed the cap"
+                assert sum(r["cost_usd"] for r in billed(sim)) <= CAP_USD, "(d) the provider billed past the cap"
         final = subprocess.run(
             [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
             cwd=REPO,
