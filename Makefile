@@ -38,10 +38,10 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
-# mypy (one core, ~30 s on a fresh clone) runs beside pytest, whose subprocess-heavy tests leave a core idle much
-# of the time; its report is printed after pytest's, and either failing fails the target.
+# mypy (one core, ~30 s on a fresh clone) runs beside pytest at the lowest priority: pytest's subprocess-heavy
+# tests leave a core idle much of the time. Its report is printed after pytest's; either failing fails the target.
 test: lint
-	$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	nice -n 19 $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS); tests=$$?; \
 	wait $$types; typed=$$?; cat $(VENV)/mypy.log; \
 	test $$tests -eq 0 && test $$typed -eq 0

@@ -89,7 +89,7 @@ def table_cells(line: str) -> list[str]:
 
 
 def test_generate_completes_prints_the_table_and_the_total(
-    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = write_config(tmp_path, sim, tokenizer_dir)
     done = generate(config)
@@ -106,7 +106,7 @@ def test_generate_completes_prints_the_table_and_the_total(
     assert status and status[-1].startswith(f"generate {SAMPLES}/{SAMPLES} (100.0%)")
     assert "finished in" in status[-1]
 
-    again = generate(config, "--no-progress")
+    again = generate_here(capsys, config, "--no-progress")
     assert again.returncode == 0, again.stderr
     assert total_line(again)["requests_sent"] == 0
     assert not [line for line in again.stderr.splitlines() if line.startswith("generate ")]
