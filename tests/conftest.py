@@ -6,6 +6,7 @@ Prefect reads its settings at import, so the environment is set here before any 
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,20 @@ def prefect_harness() -> Iterator[None]:
         temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
     ):
         yield
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """`flows.cli.main(argv)` in this process, as the console script runs it, with stdout and stderr captured;
+    the key redactors it registered are dropped afterwards, so one test's key does not shape the next one's."""
+    from flows import cli as cli_module
+
+    capsys.readouterr()
+    try:
+        code = cli_module.main(list(argv))
+    finally:
+        cli_module._SECRETS.clear()
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(argv), code, out, err)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

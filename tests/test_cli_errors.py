@@ -23,7 +23,7 @@ import yaml
 
 from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.exit_codes import EXIT_CODE_MEANINGS, ExitCode
-from tests.conftest import DEMO_DATA, REPO
+from tests.conftest import DEMO_DATA, REPO, run_main
 
 API_KEY = "sk-errors-test-4b1d-never-printed"
 ENTRY = "import sys; from flows.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -108,16 +108,8 @@ def cli(*args: str, prefect_api: str | None = None, key: str = API_KEY) -> subpr
 
 def call(capsys: pytest.CaptureFixture[str], *args: str, key: str = API_KEY) -> subprocess.CompletedProcess[str]:
     """`main(args)` in this process, as the console script runs it; stdout and stderr captured."""
-    from flows import cli as cli_module
-
     os.environ["EAGLE3_TEST_KEY"] = key
-    capsys.readouterr()
-    try:
-        code = cli_module.main(list(args))
-    finally:
-        cli_module._SECRETS.clear()
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), code, out, err)
+    return run_main(capsys, *args)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], code: ExitCode, *needles: str) -> None:

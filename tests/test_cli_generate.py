@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from endpoint_sim.server import SimConfig, SimulatorServer
-from tests.conftest import DEMO_DATA, REPO
+from tests.conftest import DEMO_DATA, REPO, run_main
 
 API_KEY = "sk-test-5f1c9e0a7b3d-must-never-be-printed"
 SAMPLES = 6
@@ -67,16 +67,9 @@ def generate(config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 
 def generate_here(capsys: pytest.CaptureFixture[str], config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """The console script's `main` in this process (a process start costs seconds; the first test runs one)."""
-    from flows import cli as cli_module
-
-    capsys.readouterr()
-    try:
-        code = cli_module.main(["generate", str(config), *extra])
-    finally:
-        cli_module._SECRETS.clear()
-    out, err = capsys.readouterr()
-    assert API_KEY not in out + err
-    return subprocess.CompletedProcess(["generate", str(config), *extra], code, out, err)
+    done = run_main(capsys, "generate", str(config), *extra)
+    assert API_KEY not in done.stdout + done.stderr
+    return done
 
 
 def total_line(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:

@@ -399,7 +399,7 @@ def test_generate_checks_special_tokens_before_the_first_paid_request(
     console script's `main`, in this process: the kill tests above run it as a process.)"""
     import shutil
 
-    from flows.cli import main
+    from tests.conftest import run_main
 
     broken = tmp_path / "tokenizer"
     shutil.copytree(tokenizer_dir, broken)
@@ -410,12 +410,10 @@ def test_generate_checks_special_tokens_before_the_first_paid_request(
     write_dataset(data, 8, "tokens")
     with SimulatorServer(tokenizer_dir, SimConfig()) as sim:
         config = write_config(tmp_path, sim, broken, data)
-        capsys.readouterr()
-        code = main(["generate", str(config), "--no-progress"])
-        out, err = capsys.readouterr()
+        done = run_main(capsys, "generate", str(config), "--no-progress")
         sent = sim.stats(with_keys=False)["total_requests"]
-    assert code != 0, out + err
-    assert "</think>" in err and "Traceback" not in out + err
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "</think>" in done.stderr and "Traceback" not in done.stdout + done.stderr
     assert sent == 0 and sim.billing()["total_usd"] == 0.0
 
 

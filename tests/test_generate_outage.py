@@ -234,7 +234,7 @@ def test_cli_against_a_port_where_nothing_ever_listens_exits_non_zero_without_fa
     tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`generate` through the console script's `main`, in this process (the 45 s outage test runs it as one)."""
-    from flows.cli import main
+    from tests.conftest import run_main
     from tests.test_generate_money import write_config, write_dataset
 
     data = tmp_path / "prompts.jsonl"
@@ -244,9 +244,7 @@ def test_cli_against_a_port_where_nothing_ever_listens_exits_non_zero_without_fa
         base_url = f"http://127.0.0.1:{free_port()}"
 
     config = write_config(tmp_path, Nowhere, tokenizer_dir, data, outage_abort_s=2.0)  # type: ignore[arg-type]
-    capsys.readouterr()
-    code = main(["generate", str(config), "--no-progress"])
-    out, err = capsys.readouterr()
-    assert code != 0, out + err
-    assert "outage_abort_s" in err and "Traceback" not in out + err
+    done = run_main(capsys, "generate", str(config), "--no-progress")
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "outage_abort_s" in done.stderr and "Traceback" not in done.stdout + done.stderr
     assert not list((tmp_path / "run" / "responses").rglob("*.parquet")), "a sample got a row"
