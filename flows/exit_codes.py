@@ -8,7 +8,6 @@ anything raised into `error_line(exc)` on stderr and `exit_code_for(exc)`. No Pr
 from __future__ import annotations
 
 import errno
-import sys
 from collections.abc import Callable
 from enum import IntEnum
 
@@ -59,28 +58,21 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     )
     from tasks.estimate.errors import EstimateOverBudgetError
 
-    # Only an export raises ExportError, and importing its package costs seconds (transformers): a command that
-    # failed before any export never loaded it.
-    export_errors = sys.modules.get("tasks.export.errors")
-    failed_export = export_errors is not None and isinstance(exc, export_errors.ExportError)
-
     if isinstance(exc, EstimateOverBudgetError):
         return ExitCode.BUDGET
     if isinstance(exc, FatalEndpointError | EndpointUnavailableError):
         return ExitCode.ENDPOINT
     if isinstance(exc, ValidationGateError):
         return ExitCode.GATES
-    if (
-        isinstance(exc, ConfigError | SchemaMismatchError | SpecialTokenError | InsufficientSpaceError)
-        or failed_export
-        or _is_validation_error(exc)
-    ):
+    if isinstance(
+        exc, ConfigError | SchemaMismatchError | SpecialTokenError | InsufficientSpaceError
+    ) or _is_validation_error(exc):
         return ExitCode.USER
     if isinstance(exc, PermissionError | FileNotFoundError | IsADirectoryError | NotADirectoryError):
         return ExitCode.USER
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         return ExitCode.USER
-    if isinstance(exc, DatagenError):
+    if isinstance(exc, DatagenError):  # ExportError among them (not imported here: its package loads transformers)
         return ExitCode.USER
     if _is_transport_error(exc):
         return ExitCode.ENDPOINT
