@@ -42,7 +42,7 @@ pytest: $(STAMP)
 # tests leave a core idle much of the time. Its report is printed after pytest's; either failing fails the target.
 test: lint
 	nice -n 19 $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS); tests=$$?; \
+	$(MAKE) --no-print-directory pytest; tests=$$?; \
 	wait $$types; typed=$$?; cat $(VENV)/mypy.log; \
 	test $$tests -eq 0 && test $$typed -eq 0
 

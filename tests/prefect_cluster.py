@@ -250,6 +250,12 @@ class _Background(threading.Thread):
         except BaseException as exc:
             self.error = exc
 
+    def wait(self) -> None:
+        self.join(timeout=600)
+        assert not self.is_alive(), f"the cluster did not come up in 600 s: {dump(self.cluster)}"
+        if self.error is not None:
+            raise self.error
+
 
 _BACKGROUND: list[_Background] = []
 
@@ -268,21 +274,13 @@ def start_in_background(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def deployed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if _BACKGROUND:
-        starting = _BACKGROUND[0]
-        starting.join(timeout=600)
-        c = starting.cluster
-        try:
-            assert not starting.is_alive(), f"the cluster did not come up in 600 s: {dump(c)}"
-            if starting.error is not None:
-                raise starting.error
-            yield c
-        finally:
-            c.stop()
-        return
-    c = Cluster(tmp_path_factory.mktemp("prefect-cluster"))
+    starting = _BACKGROUND[0] if _BACKGROUND else None
+    c = starting.cluster if starting is not None else Cluster(tmp_path_factory.mktemp("prefect-cluster"))
     try:
-        _bring_up(c)
+        if starting is not None:
+            starting.wait()
+        else:
+            _bring_up(c)
         yield c
     finally:
         c.stop()
