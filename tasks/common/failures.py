@@ -7,7 +7,8 @@ user asks, and leaves *budget* and *outage* stops to be picked up as soon as mon
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 FailureClass = Literal["transient", "deterministic", "budget", "outage"]
 
@@ -38,3 +39,73 @@ def failure_class(reason: str | None) -> FailureClass:
         if code.isdigit() and int(code) not in TRANSIENT_4XX:
             return "deterministic"
     return "transient"
+
+
+FAILURE_COLUMNS: tuple[str, ...] = (
+    "sample_id",
+    "dataset",
+    "stage",
+    "reason",
+    "class",
+    "attempts",
+    "last_error",
+    "rerun",
+)
+"""The columns of a failed sample wherever a user sees one, in this order: `failed_samples.jsonl`, `status`,
+the Prefect failed-samples table artifact. `class` is a `FailureClass`, or "validation" / "quarantined"."""
+
+LAST_ERROR_CHARS = 300
+
+
+def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "transient") -> str:
+    """What the next run does about one failed sample, in words a user acts on: the one answer to "will a rerun
+    fix this?", shared by the failure record, the gate messages and the failure summary."""
+    if stage == "prepare" or klass == "quarantined":
+        return "never: fix the input row (see prompts/_quarantine.jsonl), then rerun"
+    if stage == "validation" or klass == "validation":
+        return "never with the same answer: change the validation.* policy, or delete the response to buy it again"
+    if klass in ("transient", "outage", "budget"):
+        return "retried by the next run"
+    if retry_failed == "all":
+        return "retried by the next run (endpoint.retry_failed: all)"
+    if reason == "length":
+        return (
+            "only after sampling.max_tokens is raised (or endpoint.keep_length_truncated: true), "
+            "or with --retry-failed all"
+        )
+    if reason == "context_length":
+        return "never as sent: the prompt exceeds the model's context; only after the model or prompt changes"
+    return (
+        "never with the same settings (deterministic): only after the model, routing, sampling or template "
+        "changes, or with --retry-failed all"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FailureRecord:
+    """One failed sample as every surface shows it (`FAILURE_COLUMNS`); `last_error` is already redacted."""
+
+    sample_id: str
+    dataset: str
+    stage: str
+    reason: str
+    failure_class: str
+    attempts: int | None
+    last_error: str | None
+    rerun: str
+
+    def to_dict(self) -> dict[str, Any]:
+        error = self.last_error
+        if error is not None and len(error) > LAST_ERROR_CHARS:
+            error = error[: LAST_ERROR_CHARS - 3] + "..."
+        values = (
+            self.sample_id,
+            self.dataset,
+            self.stage,
+            self.reason,
+            self.failure_class,
+            self.attempts,
+            error,
+            self.rerun,
+        )
+        return dict(zip(FAILURE_COLUMNS, values, strict=True))

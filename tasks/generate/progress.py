@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,16 @@ class ProgressSnapshot:
     budget_stopped: bool
     final: bool
     failures_by_reason: dict[str, int] = field(default_factory=dict)
+    retries_by_reason: dict[str, int] = field(default_factory=dict)
+    pending_usd: float = 0.0
+    """Worst case of this directory's attempts that were sent and got no answer (timeouts, resets after sending,
+    kills), not yet settled from the provider's records: counted against the cap, never shown as spent."""
+    pending_attempts: int = 0
+    unsent_attempts: int = 0
+    """Attempts that never left (connection refused, DNS/TLS failure before the request was written): $0."""
+    endpoint_down_since_s: float | None = None
+    """`elapsed_s` at which the current outage began (the circuit breaker is open); None while it answers."""
+    outages: int = 0
 
     @property
     def finished(self) -> int:
@@ -71,6 +82,23 @@ class ProgressSnapshot:
 
 Listener = Callable[[ProgressSnapshot], None]
 
+RunEventKind = Literal["outage_start", "outage_end", "budget_stop", "settled"]
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """Something a user reading the run's log must see the moment it happens, not at the next snapshot:
+    an outage starting or ending, the budget stopping the run, pending spend settled from the provider."""
+
+    kind: RunEventKind
+    message: str
+    elapsed_s: float
+
+
+EventListener = Callable[[RunEvent], None]
+
+_event_listeners: list[EventListener] = []
+
 _listeners: list[Listener] = []
 _lock = threading.Lock()
 
@@ -86,6 +114,30 @@ def add_listener(listener: Listener) -> Callable[[], None]:
                 _listeners.remove(listener)
 
     return remove
+
+
+def add_event_listener(listener: EventListener) -> Callable[[], None]:
+    """Register a process-wide run-event listener; returns the function that removes it."""
+    with _lock:
+        _event_listeners.append(listener)
+
+    def remove() -> None:
+        with _lock:
+            if listener in _event_listeners:
+                _event_listeners.remove(listener)
+
+    return remove
+
+
+def emit_event(event: RunEvent) -> None:
+    """Call every event listener (from any thread); a failing listener never stops generation."""
+    with _lock:
+        targets = list(_event_listeners)
+    for listener in targets:
+        try:
+            listener(event)
+        except Exception:
+            continue
 
 
 def emit(snapshot: ProgressSnapshot, extra: list[Listener] | None = None) -> None:
