@@ -34,8 +34,8 @@ from tasks.estimate.estimate import check_budget, estimate_run
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
-from tasks.generate.ledger import LEDGER_DIR
 from tasks.generate.preflight import wait_for_endpoint
+from tasks.generate.store_sync import LogMirror
 from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
@@ -103,14 +103,17 @@ def check_tokenizer_task(cfg: PipelineConfig) -> str:
 
 
 @task(name="generate", task_run_name="generate-{n_parts}-parts", **TASK_OPTIONS)
-def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[str, Any]:
-    """All parts in one task: one global in-flight window across shards, no barrier at part boundaries."""
+def generate_task(
+    cfg: PipelineConfig, parts: list[int], n_parts: int, mirror: LogMirror | None = None
+) -> dict[str, Any]:
+    """All parts in one task: one global in-flight window across shards, no barrier at part boundaries; with a
+    store, `mirror` copies the spend ledger and the journal there at every commit."""
     wait_for_endpoint(cfg.endpoint)  # up to outage_abort_s, the window the generate stage itself honours
     tokenizer = load_tokenizer(cfg.tokenizer)
     reasoning_close, end_of_turn = _format(cfg).markers()
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     markers = CompletionMarkers(reasoning_close, end_of_turn)
-    summary = generate_parts(cfg, refs, markers, tokenizer, listeners=[PrefectProgressListener()])
+    summary = generate_parts(cfg, refs, markers, tokenizer, listeners=[PrefectProgressListener()], on_commit=mirror)
     out = summary.to_dict()
     out["datasets"] = publish_generate_summary(cfg, parts)
     if summary.stopped == "budget":
@@ -204,13 +207,20 @@ def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]
         get_run_logger().info("generate: all %d responses parts complete and current; nothing to send", len(parts))
         return GenerateSummary().to_dict()
     check_tokenizer_task(cfg)
-    if store is not None:  # the spend ledger travels with the run directory: the cap holds on any worker
-        store.pull_missing(LEDGER_DIR, "ledger-*.log")
+    # Every host's spend and journaled answers first (the cap holds on any worker, a dead host's answers are
+    # not bought again); then this run's are mirrored at every commit.
+    mirror = LogMirror(store, cfg.endpoint.commit_every_s) if store is not None else None
+    if mirror is not None:
+        mirror.pull()
+        mirror.start()
     try:
-        stats = generate_task(cfg, parts, len(parts))
+        stats = generate_task(cfg, parts, len(parts), mirror)
     finally:
-        _push_files(store, cfg, LEDGER_DIR)
+        if mirror is not None:
+            mirror.close()
     _push(store, cfg, "responses", parts)
+    if mirror is not None:
+        mirror.drop_replayed_journals()
     return stats
 
 

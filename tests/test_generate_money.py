@@ -491,6 +491,7 @@ def test_the_spend_ledger_travels_between_hosts_through_the_artifact_store(tmp_p
     """A rerun on another worker starts its budget from every host's spend, never from zero."""
     from tasks.common.artifact_store import RunStore
     from tasks.generate.ledger import LEDGER_DIR, LedgerWriter
+    from tasks.generate.store_sync import LogMirror
 
     remote = f"file://{tmp_path / 'bucket'}"
     first = RunStore(remote, tmp_path / "host-a" / "run1")
@@ -503,6 +504,6 @@ def test_the_spend_ledger_travels_between_hosts_through_the_artifact_store(tmp_p
     local = LedgerWriter(second.local_run_dir, group_commit_s=0.2)  # host b's own earlier run
     local.sent("s2", "ds", 0, 0.125)
     local.close()
-    assert [p.name for p in second.pull_missing(LEDGER_DIR, "ledger-*.log")] == [writer.log.path.name]
-    assert second.pull_missing(LEDGER_DIR, "ledger-*.log") == []
+    assert LogMirror(second, every_s=60).pull() == {"ledgers": 1, "journals": 0}
+    assert LogMirror(second, every_s=60).pull() == {"ledgers": 0, "journals": 0}
     assert SpendLedger.load(second.local_run_dir).totals().total_usd == pytest.approx(0.375)

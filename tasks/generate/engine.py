@@ -27,7 +27,7 @@ from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
@@ -82,6 +82,17 @@ RESULT_FIELDS = (
     "quantization",
     "billed_cost_usd",
 )
+
+
+class CommitListener(Protocol):
+    """Told when the run's logs reach a durable point (`tasks.generate.store_sync.LogMirror` copies them to a run
+    store then, so a dead host loses at most one commit interval)."""
+
+    def committed(self) -> None:
+        """After each commit, on the event loop: must return at once."""
+
+    def closed(self) -> None:
+        """After the run closed its journal and ledger segment, before the journal may be deleted; may block."""
 
 
 @dataclass
@@ -300,8 +311,10 @@ class _Run:
         client: EndpointClient,
         journal: AppendLog | None = None,
         ledger: LedgerWriter | None = None,
+        listener: CommitListener | None = None,
     ) -> None:
         self.cfg = cfg
+        self.listener = listener
         self.states = states
         self.client = client
         self.journal = journal
@@ -465,6 +478,8 @@ class _Run:
                     await asyncio.to_thread(_write_chunk, state, rows, self.provenance)
             self.uncommitted = 0
             self.last_commit = time.monotonic()
+            if self.listener is not None:
+                self.listener.committed()
 
     def commit_now(self) -> None:
         """Synchronous commit for the failure path, where awaiting is no longer safe."""
@@ -527,12 +542,13 @@ async def _generate_async(
     journal: AppendLog | None = None,
     ledger: LedgerWriter | None = None,
     unknown: list[tuple[str, str, float]] | None = None,
+    listener: CommitListener | None = None,
 ) -> _Run:
     window = 2 * cfg.endpoint.max_in_flight
     async with EndpointClient(cfg, markers, tokenizer, budget=budget, ledger=ledger) as client:
         if unknown and ledger is not None and cfg.endpoint.kind == "openai_chat" and cfg.endpoint.reconcile_cost:
             await _reconcile(client, ledger, unknown)
-        run = _Run(cfg, states, client, journal, ledger)
+        run = _Run(cfg, states, client, journal, ledger, listener)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
         work = run.work()
         running: set[asyncio.Task[tuple[_PartState, _WorkItem, _Answer]]] = set()
@@ -633,6 +649,7 @@ def generate_parts(
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None = None,
     listeners: list[Listener] | None = None,
+    on_commit: CommitListener | None = None,
 ) -> GenerateSummary:
     """Generate responses for `prompt_refs` (prompts parts); resumes from finished parts, chunks and journals.
 
@@ -640,9 +657,10 @@ def generate_parts(
     `FatalEndpointError` (after committing every finished result) when the endpoint refuses the whole run, and
     `RunDirBusyError` (having sent nothing) when another run writes the directory. With `endpoint.max_cost_usd`,
     the ledger's total over the directory's life counts against the cap; reaching it returns `stopped="budget"`.
+    `on_commit` hears of every commit and of the run's logs being closed (a store mirror pushes them then).
     """
     with run_dir_lock(cfg.run_dir):
-        return _generate_locked(cfg, prompt_refs, markers, tokenizer, listeners)
+        return _generate_locked(cfg, prompt_refs, markers, tokenizer, listeners, on_commit)
 
 
 def _generate_locked(
@@ -651,6 +669,7 @@ def _generate_locked(
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None,
     listeners: list[Listener] | None,
+    on_commit: CommitListener | None,
 ) -> GenerateSummary:
     ep = cfg.endpoint
     ledger = SpendLedger.load(cfg.run_dir)
@@ -691,11 +710,15 @@ def _generate_locked(
         try:
             with _frozen_heap():
                 run = _run_blocking(
-                    _generate_async(cfg, pending, markers, tokenizer, budget, listeners, journal, writer, unknown)
+                    _generate_async(
+                        cfg, pending, markers, tokenizer, budget, listeners, journal, writer, unknown, on_commit
+                    )
                 )
         finally:
             journal.close()
             writer.close()
+            if on_commit is not None:
+                on_commit.closed()
             if all(not s.buffer for s in pending):  # every row is in a chunk or a part: the journal is spent
                 journal.path.unlink(missing_ok=True)
         summary.peak_in_flight = run.client.window.peak_in_flight
