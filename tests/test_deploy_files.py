@@ -76,11 +76,44 @@ def test_automations_parse_with_prefects_model() -> None:
     block_id = str(uuid.uuid4())
     automations = load_automations(REPO / "deployments" / "automations.yaml", block_id)
     assert [a.name for a in automations] == [
+        "eagle3 run crashed when its heartbeats stopped",
         "eagle3 flow run failed",
         "eagle3 run stopped at its cost cap",
         "eagle3 gpu pool has no worker",
     ]
-    assert all(str(a.actions[0].model_dump()["block_document_id"]) == block_id for a in automations)
+    assert all(str(a.actions[0].model_dump()["block_document_id"]) == block_id for a in automations[1:])
+    without_block = load_automations(REPO / "deployments" / "automations.yaml", None)
+    assert [a.name for a in without_block] == ["eagle3 run crashed when its heartbeats stopped"]
+
+
+def test_every_deployment_sends_heartbeats_the_crash_automation_waits_three_of() -> None:
+    """Prefect 3.9's zombie-flow automation: after a heartbeat, any event of the same run within `within`
+    seconds, else the run is marked Crashed; limited to eagle3 runs, whose heartbeats come every 30 s."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.server.events.schemas.automations import EventTrigger as ServerEventTrigger
+
+    sys.path.insert(0, str(REPO / "deployments"))
+    try:
+        from create_automations import load_automations
+    finally:
+        sys.path.pop(0)
+    [crash] = load_automations(REPO / "deployments" / "automations.yaml", None)
+    trigger, [action] = crash.trigger, crash.actions
+    assert isinstance(trigger, EventTrigger) and isinstance(action, ChangeFlowRunState)
+    assert trigger.posture == Posture.Proactive and trigger.for_each == {"prefect.resource.id"}
+    assert trigger.after == {"prefect.flow-run.heartbeat"}
+    served = ServerEventTrigger.model_validate(trigger.model_dump())  # the server's model decides what matches
+    assert served.expects("prefect.flow-run.heartbeat") and served.expects("prefect.flow-run.BudgetStopped")
+    tag = {"prefect.resource.id": "prefect.tag.eagle3", "prefect.resource.role": "tag"}
+    assert trigger.match_related.model_dump() == tag
+    assert action.state == StateType.CRASHED
+    spec = _load("deployments/prefect.yaml")
+    for deployment in spec["deployments"]:
+        assert "eagle3" in deployment["tags"], deployment["name"]
+        frequency = int(deployment["work_pool"]["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"])
+        assert frequency >= 30 and trigger.within.total_seconds() >= 3 * frequency, deployment["name"]
 
 
 def test_compose_file_matches_the_compose_spec_and_wires_gpu_and_shared_volume() -> None:
