@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/reconstruct_throughput.py
 	$(BIN)/python bench/extract_throughput.py
 	$(BIN)/python bench/rerun_noop.py
+	$(BIN)/python bench/store_sync.py
 
 clean:
 	rm -rf runs .mypy_cache .ruff_cache .pytest_cache
