@@ -4,6 +4,7 @@ leaves the store. Hosts are local directories sharing a `file://` store, as the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -229,16 +230,18 @@ def test_a_host_killed_mid_generate_costs_the_next_host_at_most_one_commit_inter
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    deadline = time.monotonic() + 180
-    while True:  # kill once some answers are older than the durability bound and most are still to come
-        records = sim.billing()["records"][first:]
-        if len(records) >= 20 and time.monotonic() - records[0]["billed_at"] > DURABLE_AFTER_S + 0.3:
-            break
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.01)
-    killed_at = time.monotonic()
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # kill once some answers are older than the durability bound and most are still to come
+            records = sim.billing()["records"][first:]
+            if len(records) >= 20 and time.monotonic() - records[0]["billed_at"] > DURABLE_AFTER_S + 0.3:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        killed_at = time.monotonic()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
     run_host(host_config(tmp_path, "b", sim, tokenizer_dir), b.url)
 
@@ -256,10 +259,5 @@ def test_a_host_killed_mid_generate_costs_the_next_host_at_most_one_commit_inter
     rows = pa.concat_tables(read_part(ref) for ref in done_parts(b.local_run_dir, "responses")).to_pylist()
     assert len(rows) == len({r["sample_id"] for r in rows}) == 60
     assert all(r["status"] == "done" for r in rows)
-    print(
-        {
-            "billed_before_kill": sum(r["billed_at"] < killed_at for r in records),
-            "durable_before_kill": len(durable),
-            "bought_again": len(bought_again),
-        }
-    )
+    figures = {"billed_before_kill": sum(r["billed_at"] < killed_at for r in records), "durable": len(durable)}
+    print(json.dumps({**figures, "bought_again": len(bought_again)}))
