@@ -14,6 +14,10 @@ FailureClass = Literal["transient", "deterministic", "budget", "outage"]
 
 FAILURE_CLASSES: tuple[FailureClass, ...] = ("transient", "deterministic", "budget", "outage")
 
+RERUN_FIXABLE: frozenset[str] = frozenset({"transient", "budget", "outage"})
+"""Classes the next run sends again by itself: they count against `validation.max_failed_rate`, while
+deterministic failures have a gate of their own (`validation.max_deterministic_failed_rate`)."""
+
 DETERMINISTIC_REASONS = frozenset({"length", "context_length", "content_filter", "finish_content_filter"})
 """Reasons that a resend of the identical request reproduces: the model's answer or the prompt is the cause."""
 
@@ -83,9 +87,10 @@ def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "trans
 
 @dataclass(frozen=True, slots=True)
 class FailureRecord:
-    """One failed sample as every surface shows it (`FAILURE_COLUMNS`); `last_error` is already redacted."""
+    """One failed sample as every surface shows it (`FAILURE_COLUMNS`); `last_error` is already redacted.
+    `sample_id` is None for a quarantined input row: it never became a sample."""
 
-    sample_id: str
+    sample_id: str | None
     dataset: str
     stage: str
     reason: str
@@ -95,7 +100,7 @@ class FailureRecord:
     rerun: str
 
     def to_dict(self) -> dict[str, Any]:
-        error = self.last_error
+        error = None if self.last_error is None else " ".join(self.last_error.split())
         if error is not None and len(error) > LAST_ERROR_CHARS:
             error = error[: LAST_ERROR_CHARS - 3] + "..."
         values = (
