@@ -113,8 +113,9 @@ def _preflight(cfg: PipelineConfig) -> None:
 
 
 def _tell(line: str) -> None:
-    """A line about what the command is waiting for: stderr, at once (stdout carries the run's log)."""
-    print(line, file=sys.stderr, flush=True)
+    """A line about what the command is waiting for, at once, on stdout with the run's log (stderr carries only
+    the one-line error, if any)."""
+    print(line, flush=True)
 
 
 def _prepare_then_wait(cfg: PipelineConfig, probe: bool) -> None:

@@ -55,14 +55,15 @@ def wait_for_endpoint(
                     f"{exc}; no answer for {waited:.0f} s (endpoint.outage_abort_s={limit:g}). "
                     "Nothing was sent or marked failed; rerun when the endpoint is up."
                 ) from exc
+            why = str(exc).removeprefix(f"endpoint {url} ")
             if noted is None:
                 say(
-                    f"waiting for the endpoint {url} to answer ({exc}): up to {limit:g} s "
+                    f"waiting for the endpoint {url} to answer ({why}): up to {limit:g} s "
                     f"(endpoint.outage_abort_s), until {_until(limit - waited)}; nothing is sent meanwhile"
                 )
                 noted = clock()
             elif clock() - noted >= NOTE_EVERY_S:
-                say(f"still waiting for the endpoint {url} ({exc}): {limit - waited:.0f} s left")
+                say(f"still waiting for the endpoint {url} ({why}): {limit - waited:.0f} s left")
                 noted = clock()
             delay = PROBE_EVERY_S[min(tries, len(PROBE_EVERY_S) - 1)]
             tries += 1
