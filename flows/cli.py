@@ -378,7 +378,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
     _announce_quarantine(run_dir)
     for gate in status.gates_crossed:
-        print(f"validation gate crossed (a rerun with the same settings stops here again): {gate}", file=sys.stderr)
+        outlook = "a rerun retries these" if gate not in status.blocking_gates else "a rerun stops here again"
+        print(f"validation gate crossed ({outlook}): {gate}", file=sys.stderr)
     outlook = "rerun to rebuild them" if status.rerun_completes else "a rerun stops at the validation gates above"
     for problem in status.problems:
         print(f"stages disagree: {problem} ({outlook})", file=sys.stderr)

@@ -1,9 +1,10 @@
 """The failed samples of a run as Prefect table artifacts, one per dataset: which samples failed, where, why, after
 how many attempts, and what the next run does about each, readable in the UI without the worker's disk.
 
-Invariant: the rows are `FailureRecord`s (`tasks.common.failures.FAILURE_COLUMNS`, the columns of
-`failed_samples.jsonl` and `status`), at most `ROWS_PER_DATASET` per dataset, and the description names the
-file that holds all of them. A run with no failed sample and no quarantined row publishes none.
+Invariant: the rows are `FailureRecord`s (the columns of `failed_samples.jsonl` and `status`,
+`tasks.common.failures.FAILURE_COLUMNS`), failed samples in stage order before quarantined rows, at most
+`ROWS_PER_DATASET` per dataset, and the description names the file that holds all of them. A run with no
+failed sample and no quarantined row publishes none.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from uuid import UUID
 
 from prefect.artifacts import TableArtifact
 
-from tasks.common.failures import FAILURE_COLUMNS
-
 ROWS_PER_DATASET = 300
 KEY_PREFIX = "failed-samples-"
+COLUMNS = ("sample_id", "reason", "class", "rerun", "attempts", "stage", "dataset", "last_error")
+"""`FAILURE_COLUMNS` in the order a reader needs them: the UI's table cuts long rows off on the right, so what
+went wrong and what the next run does come first, the long last error last."""
 
 
 def artifact_key(dataset: str) -> str:
@@ -36,7 +38,7 @@ def _cell(record: dict[str, Any], column: str) -> str:
 
 
 def table_rows(records: list[dict[str, Any]]) -> list[dict[str, str]]:
-    return [{column: _cell(r, column) for column in FAILURE_COLUMNS} for r in records]
+    return [{column: _cell(r, column) for column in COLUMNS} for r in records]
 
 
 def publish_failed_samples(

@@ -398,12 +398,14 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
 def rerun_outlook(status: RunStatus) -> list[str]:
     """Sentences (markdown list items) on what rerunning the same parameters does: resume, retry which failed
     samples, and stop again at which crossed gate unless the setting it names changes."""
-    lines = []
-    if status.gates_crossed:
-        lines.append("- It stops at the same validation gates unless what each names changes:")
-        lines += [f"  - {gate}" for gate in status.gates_crossed]
-    else:
-        lines.append("- It resumes from the finished parts above; nothing finished is done again.")
+    lines = ["- It resumes from the finished parts above; nothing finished is done again."]
+    if status.blocking_gates:
+        lines.append("- It stops at these validation gates again unless what each names changes:")
+        lines += [f"  - {gate}" for gate in status.blocking_gates]
+    retried = [g for g in status.gates_crossed if g not in status.blocking_gates]
+    if retried:
+        lines.append("- It retries the failed samples behind these gates, so it may pass them:")
+        lines += [f"  - {gate}" for gate in retried]
     lines += [f"- Failed samples: {line}" for line in rerun_summary(status.failed)]
     return lines
 

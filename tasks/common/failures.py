@@ -65,23 +65,20 @@ def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "trans
     """What the next run does about one failed sample, in words a user acts on: the one answer to "will a rerun
     fix this?", shared by the failure record, the gate messages and the failure summary."""
     if stage == "prepare" or klass == "quarantined":
-        return "never: fix the input row (see prompts/_quarantine.jsonl), then rerun"
+        return "never: fix the row in the dataset (prompts/_quarantine.jsonl says why), then rerun"
     if stage == "validation" or klass == "validation":
-        return "never with the same answer: change the validation.* policy, or delete the response to buy it again"
+        return "never with the same answer: change validation.*, or delete the response to buy it again"
     if klass in ("transient", "outage", "budget"):
         return "retried by the next run"
     if retry_failed == "all":
         return "retried by the next run (endpoint.retry_failed: all)"
     if reason == "length":
-        return (
-            "only after sampling.max_tokens is raised (or endpoint.keep_length_truncated: true), "
-            "or with --retry-failed all"
-        )
+        return "only after sampling.max_tokens is raised (or keep_length_truncated), or with --retry-failed all"
     if reason == "context_length":
-        return "never as sent: the prompt exceeds the model's context; only after the model or prompt changes"
+        return "never as sent: the prompt exceeds the context; only after the model or the prompt changes"
     return (
-        "never with the same settings (deterministic): only after the model, routing, sampling or template "
-        "changes, or with --retry-failed all"
+        "never with the same settings: only after the model, routing, sampling or template changes, "
+        "or with --retry-failed all"
     )
 
 

@@ -23,6 +23,7 @@ from tasks.common.schemas import REPORTS_DIR, STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state
 from tasks.prepare.datasets import QUARANTINE
 from tasks.status.status_cache import cached, status_key
+from tasks.validate.failure_gates import rerun_may_pass
 
 FAILED_FILE = "failed_samples.jsonl"
 """Written into the run directory by `status` and every run: one JSON line per failed sample and quarantined
@@ -81,9 +82,14 @@ class RunStatus:
         return not self.problems
 
     @property
+    def blocking_gates(self) -> list[str]:
+        """Crossed gates a rerun with the same settings stops at again (not those whose failures it retries)."""
+        return [g for g in self.gates_crossed if not rerun_may_pass(g)]
+
+    @property
     def rerun_completes(self) -> bool:
-        """Whether rerunning with the same settings can bring the stages into agreement: not past crossed gates."""
-        return not self.gates_crossed
+        """Whether rerunning with the same settings can bring the stages into agreement: no blocking gate."""
+        return not self.blocking_gates
 
     def rows(self) -> list[dict[str, Any]]:
         """Table rows (one per dataset and stage) for the terminal and the Prefect table artifact."""
@@ -162,10 +168,17 @@ class RunStatus:
         }
 
     def _gate_lines(self) -> list[str]:
-        if not self.gates_crossed:
-            return []
-        head = "**validation gates crossed** at the last report: later stages stop there, on a rerun too"
-        return [head + ":", *[f"- {g}" for g in self.gates_crossed], ""]
+        lines = []
+        retried = [g for g in self.gates_crossed if rerun_may_pass(g)]
+        if retried:
+            lines += ["**validation gates crossed** at the last report; a rerun retries these failed samples:"]
+            lines += [*[f"- {g}" for g in retried], ""]
+        if self.blocking_gates:
+            lines += [
+                "**validation gates crossed** at the last report; a rerun with the same settings stops here again:"
+            ]
+            lines += [*[f"- {g}" for g in self.blocking_gates], ""]
+        return lines
 
     def markdown(self) -> str:
         head = "| dataset | stage | expected | done | failed | stale | missing | extra | failed by reason |"

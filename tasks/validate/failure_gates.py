@@ -21,6 +21,15 @@ from tasks.common.shards import PartRef, read_part
 EXAMPLES = 5
 """Sample ids a gate message names; every failed id is in failed_samples.jsonl."""
 
+RETRIED_GATE = "> max_failed_rate "
+"""In the message of the one gate whose samples the next run sends again (`rerun_may_pass`)."""
+
+
+def rerun_may_pass(gate: str) -> bool:
+    """Whether a crossed gate's message (as `gate_violations` wrote it) is about failures the next run retries:
+    rerunning may pass it; every other gate stops a rerun with the same settings again."""
+    return RETRIED_GATE in gate
+
 
 @dataclass
 class FailedResponses:
