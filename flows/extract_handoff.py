@@ -26,7 +26,7 @@ from tasks.common.errors import ExtractDeploymentError
 EXTRACT_POLL_S = 1.0
 """How often the extraction run's state is read (Prefect's own default is 5 s: 2.5 s lost on average)."""
 
-WORKER_HINT = "prefect worker start --pool {pool} --type process --limit 1 (the GPU image's command)"
+WORKER_HINT = "`prefect worker start --pool {pool} --type process --limit 1`, as the GPU image does"
 
 
 def live_workers(client: SyncPrefectClient, pool: str) -> int:
