@@ -213,7 +213,11 @@ def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]
 
 def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
     if not generate_todo(cfg, parts):
-        get_run_logger().info("generate: all %d responses parts complete and current; nothing to send", len(parts))
+        get_run_logger().info(
+            "generate: nothing to send: every sample of the %d responses parts is done, or failed deterministically "
+            "and is not resent with these settings (no endpoint wait)",
+            len(parts),
+        )
         return GenerateSummary().to_dict()
     check_tokenizer_task(cfg)
     if store is not None:  # the spend ledger travels with the run directory: the cap holds on any worker
@@ -309,7 +313,7 @@ def run_pipeline(
     if (run is not None and run.dry_run) or generate_todo(cfg, parts):
         stats["estimate"] = estimate_task(cfg)
     else:  # the estimate would price nothing: no task run, no re-read of every dataset and response part
-        stats["estimate"] = {"requests": 0, "text": "nothing to send: every responses part is complete and current"}
+        stats["estimate"] = {"requests": 0, "text": "nothing to send: every sample is done or kept as failed"}
     if run is not None and run.dry_run:
         stats["dry_run"] = True
         stats["wall_s"] = round(time.monotonic() - started, 3)
