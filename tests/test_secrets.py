@@ -103,7 +103,8 @@ def write_config(work: Path, base_url: str, tokenizer_dir: Path, *, api_key: str
         },
         "sampling": {"max_tokens": 1024},
         "tokenizer": {"path": str(tokenizer_dir)},
-        "validation": {"max_failed_rate": 1.0},  # failures on purpose: the test is about where the key goes
+        # failures on purpose: the test is about where the key goes
+        "validation": {"max_failed_rate": 1.0, "max_deterministic_failed_rate": 1.0},
     }
     path = work / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
