@@ -397,13 +397,14 @@ def failed_samples_table(records: list[dict[str, Any]], shown: int, where: str) 
     from rich.table import Table
 
     from tasks.common.failures import FAILURE_COLUMNS
+    from tasks.status.report import display_cell
 
     more = f", first {shown} shown" if len(records) > shown else ""
     table = Table(title=f"failed samples ({len(records)}{more}; all in {where})")
     for column in FAILURE_COLUMNS:
         table.add_column(column, overflow="fold")
     for record in records[:shown]:
-        table.add_row(*("-" if record.get(c) is None else str(record[c]) for c in FAILURE_COLUMNS))
+        table.add_row(*(display_cell(record, c) for c in FAILURE_COLUMNS))
     return table
 
 

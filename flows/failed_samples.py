@@ -17,6 +17,8 @@ from uuid import UUID
 
 from prefect.artifacts import TableArtifact
 
+from tasks.status.report import display_cell
+
 ROWS_PER_DATASET = 300
 KEY_PREFIX = "failed-samples-"
 COLUMNS = ("sample_id", "reason", "class", "rerun", "attempts", "stage", "dataset", "last_error")
@@ -30,15 +32,8 @@ def artifact_key(dataset: str) -> str:
     return KEY_PREFIX + slug
 
 
-def _cell(record: dict[str, Any], column: str) -> str:
-    value = record.get(column)
-    if column == "sample_id" and value is None:  # a quarantined input row never got an id
-        return f"row {record.get('source_row', '?')} of {Path(str(record.get('source_file', '?'))).name}"
-    return "-" if value is None else str(value)
-
-
 def table_rows(records: list[dict[str, Any]]) -> list[dict[str, str]]:
-    return [{column: _cell(r, column) for column in COLUMNS} for r in records]
+    return [{column: display_cell(r, column) for column in COLUMNS} for r in records]
 
 
 def publish_failed_samples(

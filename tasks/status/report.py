@@ -283,6 +283,14 @@ def _failure(sid: str, dataset: str, stage: str, row: Mapping[str, Any], retry_f
     )
 
 
+def display_cell(record: Mapping[str, Any], column: str) -> str:
+    """One cell of a failure record as tables show it: `-` for none, a quarantined row named by file and row."""
+    value = record.get(column)
+    if column == "sample_id" and value is None:  # a quarantined input row never got an id
+        return f"row {record.get('source_row', '?')} of {Path(str(record.get('source_file', '?'))).name}"
+    return "-" if value is None else str(value)
+
+
 def rerun_summary(failed: list[dict[str, Any]]) -> list[str]:
     """One sentence per (class, rerun action): how many failed samples the next run retries, and which it
     leaves as they are and why, e.g. `3 deterministic (context_length 3): never as sent: ...`."""
