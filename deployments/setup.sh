@@ -16,8 +16,11 @@ prefect --no-prompt work-pool set-concurrency-limit eagle3-gpu 1
 
 prefect --no-prompt block register -m blocks
 prefect --no-prompt deploy --prefect-file deployments/prefect.yaml --all
+# pipeline and nightly-rerun write the same run directory: one shared concurrency slot, a second run queues.
+python deployments/run_dir_concurrency.py
 # EAGLE3_DEMO_BLOCKS=1: save the blocks the deployments name, pointing at the local simulator
-# (EAGLE3_DEMO_ENDPOINT, default http://127.0.0.1:30000) and EAGLE3_DEMO_RUNS_DIR (default runs/).
+# (EAGLE3_DEMO_ENDPOINT, default http://127.0.0.1:30000) and EAGLE3_DEMO_RUNS_DIR (default runs/; the worker
+# images set /runs, the volume every worker of docker/compose.yaml mounts).
 if [ -n "${EAGLE3_DEMO_BLOCKS:-}" ]; then
   python deployments/demo_blocks.py --endpoint-url "${EAGLE3_DEMO_ENDPOINT:-http://127.0.0.1:30000}" \
     --runs-dir "${EAGLE3_DEMO_RUNS_DIR:-runs}"

@@ -12,20 +12,25 @@ Start with `eagle3-datagen demo` (a local simulated endpoint, nothing to configu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
-import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from importlib import resources
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from flows import cli_common
+from flows.cli_common import (
+    demo_config_path,
+    demo_dirs,
+    heartbeats_only_for_a_server,
+    prefect_env,
+    print_demo_summary,
+    print_run_summary,
+)
 from flows.exit_codes import ExitCode, error_line, exit_code_for, exit_code_table
 
 if TYPE_CHECKING:
@@ -33,35 +38,7 @@ if TYPE_CHECKING:
     from tasks.generate.engine import GenerateSummary
     from tasks.generate.progress import Listener
 
-PREFECT_DEFAULTS = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_UI_ENABLED": "false",
-}
-
-
-DEBUG = False
-"""Set by `--debug`: errors come with their traceback and Prefect's own log is left as it is."""
-
-
-def _prefect_env() -> None:
-    for key, value in PREFECT_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    if not DEBUG:  # the run's log goes to stdout; stderr carries only the one-line error, if any
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_STREAM", "ext://sys.stdout")
-
-
-@contextlib.contextmanager
-def _heartbeats_only_for_a_server() -> Iterator[None]:
-    """Flow-run heartbeats let a Prefect server mark a run whose process died as crashed. Without
-    PREFECT_API_URL the run has a temporary server of its own that dies with it: nobody is told, and every flow
-    run would wait up to a second at its end for the heartbeat thread. With a server, they stay on."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    if PREFECT_API_URL.value():
-        yield
-        return
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
+__all__ = ["demo_config_path", "main", "print_demo_summary", "print_run_summary"]
 
 
 class _NoTraceback(logging.Filter):
@@ -74,7 +51,7 @@ class _NoTraceback(logging.Filter):
 
 
 def _quiet_prefect_console() -> None:
-    if not DEBUG:
+    if not cli_common.DEBUG:
         for handler in logging.getLogger().handlers:
             handler.addFilter(_NoTraceback())
 
@@ -91,18 +68,14 @@ def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def demo_config_path() -> Path:
-    return Path(str(resources.files("flows").joinpath("configs/demo.yaml")))
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    _prefect_env()
+    prefect_env()
     overrides = _parse_overrides(args.set or [])
     config_path = Path(args.config).resolve()
     if not args.endpoint_block:  # a config mistake is reported before a Prefect server is started for nothing
         from tasks.common.config import load_config
 
-        _preflight(load_config(config_path, overrides), probe=not args.dry_run)
+        _prepare_then_wait(load_config(config_path, overrides), probe=not args.dry_run)
     from flows.params import RunParameters
     from flows.pipeline import pipeline
 
@@ -113,7 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tasks.generate.progress_display import show_progress
 
     started = time.monotonic()
-    with show_progress(enabled=not args.no_progress), _heartbeats_only_for_a_server():
+    with show_progress(enabled=not args.no_progress), heartbeats_only_for_a_server():
         stats = pipeline(run)
     if stats.get("dry_run"):
         print(stats["estimate"]["text"])
@@ -131,16 +104,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _preflight(cfg: PipelineConfig, probe: bool) -> None:
-    """Inputs exist, the run directory is writable, the endpoint answers: before anything starts."""
+def _preflight(cfg: PipelineConfig) -> None:
+    """Inputs exist and the run directory is writable: before anything starts."""
     from tasks.common.preflight import check_inputs, check_run_dir_writable
 
     check_inputs(cfg)
     check_run_dir_writable(cfg.run_dir)
-    if probe:
-        from tasks.generate.preflight import wait_for_endpoint
 
-        wait_for_endpoint(cfg.endpoint)  # an endpoint that is down is waited for up to endpoint.outage_abort_s
+
+def _tell(line: str) -> None:
+    """A line about what the command is waiting for, at once, on stdout with the run's log (stderr carries only
+    the one-line error, if any)."""
+    print(line, flush=True)
+
+
+def _prepare_then_wait(cfg: PipelineConfig, probe: bool) -> None:
+    """What `run` settles before it starts Prefect, in this order: the inputs (files, then rows: a dataset that is
+    empty or all quarantined is one line and exit 2 at once), then, only when something is left to send, the
+    endpoint, waited for up to endpoint.outage_abort_s with a line saying so right away. Preparing here is the
+    pipeline's own prepare step (append-only parts), which then finds them done."""
+    from tasks.prepare.datasets import prepare_datasets
+    from tasks.status.sending import parts_to_send
+
+    _preflight(cfg)
+    parts = prepare_datasets(cfg).parts
+    if probe and parts_to_send(cfg, parts):
+        from tasks.generate.endpoint_wait import wait_for_endpoint
+
+        wait_for_endpoint(cfg.endpoint, announce=_tell)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -168,23 +159,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def demo_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
-    """The demo's run directory (emptied first with --fresh) and its tiny target model, built once under
-    --assets-dir; shared by `demo` and `demo --train`."""
-    from endpoint_sim.assets import ensure_tiny_model_dir
-
-    run_dir = Path(args.run_dir).resolve()
-    if args.fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
-    return run_dir, ensure_tiny_model_dir(Path(args.assets_dir).resolve() / "tiny-deepseek-v31")
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.train:
         from flows.train_cli import cmd_demo_train
 
         return cmd_demo_train(args)
-    _prefect_env()
+    prefect_env()
     from endpoint_sim.server import SimConfig, SimulatorServer
     from flows.params import RunParameters
     from flows.pipeline import pipeline
@@ -200,53 +180,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "endpoint.base_url": sim.base_url,
             "tokenizer.path": str(model_dir),
         }
-        with _heartbeats_only_for_a_server():
+        with heartbeats_only_for_a_server():
             stats = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides))
     wall_s = time.monotonic() - started
     print_demo_summary(stats, wall_s)
     _announce_quarantine(run_dir)
     return 0
-
-
-def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
-    print_run_summary(stats, wall_s, "eagle3-datagen demo")
-
-
-def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
-    """What `demo` and `run` print at the end: the validation overview, then finished parts per stage."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from tasks.common.run_summary import stage_rows
-
-    console = Console()
-    console.print(f"\n[bold]{what} finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
-    from tasks.validate.report import overview_rows
-
-    overview = overview_rows(stats.get("validation_summary") or [])  # none after a budget stop
-    table = Table(title="validation summary")
-    table.add_column("metric")
-    for row in overview:
-        table.add_column(str(row["dataset"]), justify="right")
-    for metric in overview[0] if overview else []:
-        if metric != "dataset":
-            table.add_row(metric, *(str(row[metric]) for row in overview))
-    if overview:
-        console.print(table)
-    stages = Table(title="finished parts per stage")
-    for column in ("stage", "parts", "rows", "bytes"):
-        stages.add_column(column, justify="left" if column == "stage" else "right")
-    for row in stage_rows(Path(stats["run_dir"])):
-        stages.add_row(row["stage"], str(row["parts"]), str(row["rows"]), f"{row['bytes']:,}")
-    console.print(stages)
-    prep = stats["prepare"]
-    gen = stats["generate"]["total"]
-    console.print(
-        f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
-        f"({prep['quarantine_path']})\n"
-        f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
-        f"report: {stats['run_dir']}/reports/report.html"
-    )
 
 
 EXIT_BUDGET = ExitCode.BUDGET
@@ -277,12 +216,14 @@ def generate_without_prefect(
     from tasks.prepare.datasets import prepare_datasets
     from tasks.prepare.empty_input import require_prompts
     from tasks.reconstruct.tokenizer_loading import load_tokenizer
+    from tasks.status.sending import parts_to_send
 
     prepared = prepare_datasets(cfg)
     require_prompts(prepared.to_dict(), {ds.name: str(ds.path) for ds in cfg.datasets})
     parts = prepared.parts
     tokenizer = load_tokenizer(cfg.tokenizer)
-    fmt, _ = preflight(cfg, tokenizer)  # what `run` checks before its first paid request
+    # what `run` checks before its first paid request; no endpoint wait when nothing is left to send
+    fmt, _ = preflight(cfg, tokenizer, probe=bool(parts_to_send(cfg, parts)), announce=_tell)
     markers = CompletionMarkers(*fmt.markers())
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     return generate_parts(cfg, refs, markers, tokenizer, listeners=listeners), parts
@@ -340,7 +281,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         overrides["endpoint.retry_failed"] = args.retry_failed
     cfg = load_config(Path(args.config), overrides)  # before the heavy imports: a typo is reported at once
     _SECRETS.append(_redactor(cfg))
-    _preflight(cfg, probe=False)  # the endpoint is waited for inside, within endpoint.outage_abort_s
+    _preflight(cfg)  # the endpoint is waited for inside, after the rows are read, only if anything is left to send
     from tasks.generate.dataset_summary import dataset_rows
     from tasks.generate.engine import budget_stop_message
     from tasks.generate.progress_display import show_progress
@@ -352,13 +293,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(json.dumps(summary.total(), default=str), flush=True)
     _announce_quarantine(cfg.run_dir)
     if summary.stopped != "budget":
-        from tasks.status.report import failed_rate_violations
+        from tasks.validate.failure_gates import responses_gate_violations
 
-        crossed = failed_rate_violations(rows, cfg.validation.max_failed_rate)
+        crossed = responses_gate_violations(cfg.run_dir, parts, cfg.validation, cfg.endpoint.retry_failed)
         for line in crossed:
-            print(
-                f"error: {line}; rerun to retry them, `eagle3-datagen status {cfg.run_dir}` lists them", file=sys.stderr
-            )
+            print(f"error: {line} (`eagle3-datagen status {cfg.run_dir}` lists every failed sample)", file=sys.stderr)
         return EXIT_GATE if crossed else 0
     print(
         f"{budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd)} In {cfg.run_dir}, e.g.: "
@@ -386,18 +325,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """No Prefect, no model: reads markers and id columns. Exit 0 when every stage holds what the stage before it
-    finished, EXIT_INCONSISTENT when stages disagree, EXIT_ERROR when RUN_DIR is no run directory."""
+    finished, EXIT_GATE when the last report crossed validation gates (a rerun stops there again),
+    EXIT_INCONSISTENT when stages disagree otherwise (a rerun rebuilds them), EXIT_ERROR when RUN_DIR is no run
+    directory."""
     from rich.console import Console
     from rich.table import Table
 
-    from tasks.status.report import run_status, write_failed_file
+    from tasks.status.report import rerun_summary, run_status, write_failed_file
 
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "prompts").is_dir():
         print(f"error: {run_dir} is not a run directory (no prompts/ stage folder)", file=sys.stderr)
         return EXIT_ERROR
     recipes = None
-    extract: dict[str, bool] = {}
+    settings: dict[str, Any] = {}
     if args.config:
         from tasks.common.config import load_config
         from tasks.reconstruct.completion_format import format_for
@@ -406,29 +347,65 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
         recipes = recipe_digests(cfg, format_for(cfg, load_tokenizer(cfg.tokenizer)))
-        extract = {"extract_enabled": cfg.extract.enabled, "skip_failed_validation": cfg.extract.skip_failed_validation}
-    status = run_status(run_dir, recipes, **extract)
-    rows = status.rows()
+        settings = {
+            "extract_enabled": cfg.extract.enabled,
+            "skip_failed_validation": cfg.extract.skip_failed_validation,
+            "retry_failed": cfg.endpoint.retry_failed,
+        }
+    status = run_status(run_dir, recipes, **settings)
+    failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
+    records = status.failure_records()
     if args.json:
-        print(json.dumps(status.to_dict(), indent=2, default=str))
+        payload = {**status.to_dict(), "failed_file": str(failed_file), "failed_samples": records}
+        print(json.dumps(payload, indent=2, default=str))
     else:
         console = Console() if Console().is_terminal else Console(width=200)
+        rows = status.rows()
         table = Table(title=f"status of {run_dir}")
         for column in rows[0] if rows else ["dataset"]:
             table.add_column(column, justify="left" if column in ("dataset", "stage", "failed_by_reason") else "right")
         for row in rows:
             table.add_row(*(str(v) for v in row.values()))
         console.print(table)
-    failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
+        if records:
+            console.print(failed_samples_table(records, FAILED_SHOWN, str(failed_file)))
     if status.failed or status.quarantined:
         print(
             f"{len(status.failed)} failed samples, {len(status.quarantined)} quarantined rows: listed in {failed_file}",
             file=sys.stderr,
         )
+        for line in rerun_summary(status.failed):
+            print(f"  {line}", file=sys.stderr)
     _announce_quarantine(run_dir)
+    for gate in status.gates_crossed:
+        outlook = "a rerun retries these" if gate not in status.blocking_gates else "a rerun stops here again"
+        print(f"validation gate crossed ({outlook}): {gate}", file=sys.stderr)
+    outlook = "rerun to rebuild them" if status.rerun_completes else "a rerun stops at the validation gates above"
     for problem in status.problems:
-        print(f"stages disagree: {problem}", file=sys.stderr)
+        print(f"stages disagree: {problem} ({outlook})", file=sys.stderr)
+    if status.gates_crossed:
+        return EXIT_GATE
     return 0 if status.consistent else EXIT_INCONSISTENT
+
+
+FAILED_SHOWN = 20
+"""Failed samples `status` prints as a table; all of them are in the failed-samples file."""
+
+
+def failed_samples_table(records: list[dict[str, Any]], shown: int, where: str) -> Any:
+    """The first `shown` failure records as a rich table with `FAILURE_COLUMNS`, titled with the full file."""
+    from rich.table import Table
+
+    from tasks.common.failures import FAILURE_COLUMNS
+    from tasks.status.report import display_cell
+
+    more = f", first {shown} shown" if len(records) > shown else ""
+    table = Table(title=f"failed samples ({len(records)}{more}; all in {where})")
+    for column in FAILURE_COLUMNS:
+        table.add_column(column, overflow="fold")
+    for record in records[:shown]:
+        table.add_row(*(display_cell(record, c) for c in FAILURE_COLUMNS))
+    return table
 
 
 CONFIG_HELP = "pipeline config YAML (see configs/run.yaml; relative paths resolve against the file)"
@@ -540,9 +517,8 @@ def _redact(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Every error a user can fix is one line on stderr and a code from flows/exit_codes.py; `--debug` (anywhere
     on the line) shows the traceback instead."""
-    global DEBUG
     argv = list(sys.argv[1:] if argv is None else argv)
-    DEBUG = "--debug" in argv
+    cli_common.DEBUG = "--debug" in argv
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     try:
         result: int = args.func(args)
@@ -550,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     except Exception as exc:
-        if DEBUG:
+        if cli_common.DEBUG:
             raise
         print(error_line(exc, _redact), file=sys.stderr)
         return int(exit_code_for(exc))

@@ -106,9 +106,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = train_run(run_dir, out, options)
         evaluation = None if args.no_evaluate else evaluate_run(run_dir, out)
     else:
-        from flows.cli import _prefect_env
+        from flows.cli_common import prefect_env
 
-        _prefect_env()
+        prefect_env()
         from flows.train_flow import train_flow
 
         result = train_flow(str(run_dir), str(out) if out else None, options.__dict__, evaluate=not args.no_evaluate)
@@ -126,9 +126,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
         evaluation = evaluate_run(run_dir, train_dir, **kwargs)
     else:
-        from flows.cli import _prefect_env
+        from flows.cli_common import prefect_env
 
-        _prefect_env()
+        prefect_env()
         from flows.train_flow import evaluate_flow
 
         evaluation = evaluate_flow(str(run_dir), str(train_dir) if train_dir else None, kwargs)
@@ -158,9 +158,9 @@ def print_train_result(summary: dict[str, Any] | None, evaluation: dict[str, Any
 
 def cmd_demo_train(args: argparse.Namespace) -> int:
     """The demo that learns: target-backed endpoint -> pipeline -> drafter -> acceptance, with stage wall times."""
-    from flows.cli import _prefect_env, demo_config_path, demo_dirs, print_demo_summary
+    from flows.cli_common import demo_config_path, demo_dirs, prefect_env, print_demo_summary
 
-    _prefect_env()
+    prefect_env()
     from endpoint_sim.model_backend import ModelResponder
     from endpoint_sim.server import SimConfig, SimulatorServer
     from flows.params import RunParameters

@@ -40,12 +40,13 @@ def test_prefect_yaml_parses_with_prefects_model_and_parameters_match_the_flows(
             continue
         assert set(deployment.parameters) == set(flow_obj.parameters.properties) == {"run"}
         RunParameters.model_validate(deployment.parameters["run"])
-    assert pools == {
-        "pipeline": ("eagle3-cpu", 1),
+    assert pools == {  # pipeline and nightly-rerun share one global limit instead (deployments/setup.sh)
+        "pipeline": ("eagle3-cpu", None),
         "extract-gpu": ("eagle3-gpu", 1),
         "train-gpu": ("eagle3-gpu", 1),
-        "nightly-rerun": ("eagle3-cpu", 1),
+        "nightly-rerun": ("eagle3-cpu", None),
     }
+    assert "python deployments/run_dir_concurrency.py" in (REPO / "deployments" / "setup.sh").read_text()
     nightly = next(d for d in spec.deployments if d.name == "nightly-rerun")
     assert nightly.schedules and nightly.schedules[0].model_dump(exclude_none=True)["cron"] == "0 2 * * *"
     assert all(s.model_dump()["active"] is False for s in nightly.schedules), "schedules ship paused"
@@ -130,3 +131,19 @@ def test_compose_file_matches_the_compose_spec_and_wires_gpu_and_shared_volume()
         dockerfile = (REPO / "docker" / Path(services[name]["build"]["dockerfile"]).name).read_text()
         pool = "eagle3-cpu" if name == "cpu-worker" else "eagle3-gpu"
         assert f'"--pool", "{pool}"' in dockerfile
+
+
+def test_both_images_carry_what_the_deployments_run_and_the_demo_blocks_use_the_shared_volume() -> None:
+    """configs/run.yaml (every shipped deployment's config_path) must be inside both worker images, and the demo
+    blocks' run directory must be the volume both workers mount, not a folder inside one container."""
+    spec = PrefectYamlModel.model_validate(_load("deployments/prefect.yaml"))
+    compose = _load("docker/compose.yaml")["services"]
+    paths = {d.parameters["run"]["config_path"] for d in spec.deployments if "run" in (d.parameters or {})}
+    for name in ("cpu-worker", "gpu-worker"):
+        dockerfile = (REPO / "docker" / Path(compose[name]["build"]["dockerfile"]).name).read_text()
+        copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
+        for path in paths:
+            assert path.split("/")[0] in copied, f"{name}: {path} is not in the image"
+        assert "EAGLE3_DEMO_RUNS_DIR=/runs" in dockerfile, name
+        assert "runs:/runs" in compose[name]["volumes"], name
+    assert '--runs-dir "${EAGLE3_DEMO_RUNS_DIR:-runs}"' in (REPO / "deployments" / "setup.sh").read_text()

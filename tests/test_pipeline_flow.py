@@ -101,7 +101,8 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         task_runs = _task_runs(state.state_details.flow_run_id)
         assert len(task_runs) <= 4 * n_parts + 5, "Prefect bookkeeping must be O(parts), not O(samples)"
         keys = _artifact_keys(state.state_details.flow_run_id)
-        assert {"validation-summary", "generate-progress", "generate-status", "generate-summary"} <= keys
+        assert {"validation-summary", "generate-progress", "generate-summary", "failed-samples-b1"} <= keys
+        assert "generate-status" not in keys, "one progress card, updated in place"
         assert json.loads((run_dir / "run_summary.json").read_text())["run_dir"] == str(run_dir)
         for stage in STAGES:  # parts and markers only: reports live in reports/, quarantine and shards under _ names
             assert pq.read_table(run_dir / stage).num_rows == sum(

@@ -157,7 +157,8 @@ def test_summary_and_gates(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTr
 
     with pytest.raises(ValidationGateError, match=r"'demo': real_difference_rate 0\.5000 \(1/2"):
         check_gates([summary], ValidationConfig())
-    with pytest.raises(ValidationGateError, match=r"failed_rate 0\.2500 \(1/4 responses\) > max_failed_rate 0\.1"):
+    retried = r"failed_rate 0\.2500 \(1/4 responses failed after their retries: .*\) > max_failed_rate 0\.1; these are"
+    with pytest.raises(ValidationGateError, match=retried):
         check_gates([summary], ValidationConfig(max_real_difference_rate=1.0, max_failed_rate=0.1))
     check_gates([summary], ValidationConfig(max_real_difference_rate=0.5, max_failed_rate=0.25))
 

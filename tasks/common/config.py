@@ -178,7 +178,15 @@ class ValidationConfig(StrictModel):
         default=0.05,
         ge=0,
         le=1,
-        description="Gate on a dataset's failed responses / responses; `generate` and `run` exit non-zero above it.",
+        description="Gate on a dataset's responses that failed after their retries for a reason the next run retries "
+        "(transient, outage, budget) / responses; `generate` and `run` exit 5 above it.",
+    )
+    max_deterministic_failed_rate: float = Field(
+        default=0.10,
+        ge=0,
+        le=1,
+        description="Gate on a dataset's deterministic failures (context length, content filter, other 4xx, length) "
+        "/ responses: a rerun with the same settings never sends them again, so they are gated apart.",
     )
     allowed_finish_reasons: list[str] = Field(default_factory=lambda: ["stop"])
     max_bpe_artifact_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over referenced samples.")

@@ -429,8 +429,10 @@ class _Run:
 
     def snapshot(self, final: bool = False) -> ProgressSnapshot:
         reasons: Counter[str] = Counter()
+        retries: Counter[str] = Counter()
         for st in self.states:
             reasons.update(st.summary.failures_by_reason)
+            retries.update(st.summary.retries_by_reason)
         budget, window = self.client.budget, self.client.window
         return ProgressSnapshot(
             elapsed_s=time.monotonic() - self.started,
@@ -450,6 +452,7 @@ class _Run:
             budget_stopped=budget.stopped,
             final=final,
             failures_by_reason=dict(reasons),
+            retries_by_reason=dict(retries),
         )
 
     def commit_due(self) -> bool:

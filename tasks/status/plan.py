@@ -18,27 +18,18 @@ from tasks.common.shards import (
     expected_build,
     fingerprint,
     is_current,
-    read_marker,
     recipe_digest,
 )
 from tasks.reconstruct.completion_format import CompletionFormat
 from tasks.reconstruct.stage import tokens_recipe
+from tasks.status.sending import parts_to_send
 from tasks.validate.checks import validation_recipe
 
 
-def responses_complete(run_dir: Path, part: int) -> bool:
-    """The responses part exists, was built from the current prompts part, and every row of it is done: a rerun
-    has nothing to send for it. Markers from before `status_counts` was recorded never count as complete."""
-    ref = PartRef(run_dir, "responses", part)
-    if not is_current(ref, expected_build(ref)):
-        return False
-    counts = read_marker(ref).get("status_counts")
-    return isinstance(counts, dict) and set(counts) <= {"done"}
-
-
 def generate_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
-    """Prompts parts whose responses part is missing, stale or holds rows that are not done."""
-    return [p for p in parts if not responses_complete(cfg.run_dir, p)]
+    """Prompts parts the generate stage would send requests for (`tasks.status.sending`): not those whose every
+    row is done or a deterministic failure the rerun policy keeps."""
+    return parts_to_send(cfg, parts)
 
 
 def tokens_todo(cfg: PipelineConfig, fmt: CompletionFormat, parts: list[int]) -> list[int]:

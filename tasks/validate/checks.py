@@ -66,6 +66,7 @@ from tasks.reconstruct.completion_format import (
 )
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_hash, tokenizer_provenance
+from tasks.validate.failure_gates import FailedResponses, failed_gate_violations
 from tasks.validate.fidelity import (
     PROMPT_MATCHES,
     TOOL_CALL_MARKERS,
@@ -649,16 +650,22 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
     """Per dataset: verdicts, reference matches, structural issues, billing, and the same per serving provider.
 
     Reference rates (exact/bpe_artifact/real_difference) are over samples that had a reference;
-    `no_reference_rate` and `fail_rate` over validated samples; `failed_rate` over all responses (a failed
-    generation never reaches validation, but it counts against the run).
+    `no_reference_rate` and `fail_rate` over validated samples; `failed_rate` (failures the next run retries) and
+    `deterministic_failed_rate` over all responses (a failed generation never reaches validation, but it counts
+    against the run; `tasks.validate.failure_gates`).
     """
     per: dict[str, _Tally] = {}
     serving: dict[str, dict[str, _Tally]] = {}
     done_serving: dict[str, set[str]] = {}
+    failed: dict[str, FailedResponses] = {}
 
+    columns = ["sample_id", "dataset", "status", "failure_reason", "provider", "quantization"]
     for ref in done_parts(cfg.run_dir, "responses"):
-        t = read_part(ref, columns=["dataset", "status", "provider", "quantization"])
-        for dataset, status, provider, quant in zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True):
+        t = read_part(ref, columns=columns)
+        for sid, dataset, status, reason, provider, quant in zip(
+            *(t.column(c).to_pylist() for c in columns), strict=True
+        ):
+            failed.setdefault(dataset, FailedResponses()).add(sid, status, reason)
             key = serving_key(provider, quant)
             for tally in (per.setdefault(dataset, _Tally()), serving.setdefault(dataset, {}).setdefault(key, _Tally())):
                 tally.responses += 1
@@ -680,6 +687,7 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
             {
                 "dataset": dataset,
                 **tally.rates(),
+                **failed.get(dataset, FailedResponses()).to_dict(),
                 "structural_issues": dict(sorted(tally.issues.items())),
                 "billing": tally.billing(),
                 "providers": {k: v.responses for k, v in sorted(by_server.items(), key=lambda kv: -kv[1].responses)},
@@ -705,15 +713,18 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
     return summary
 
 
-def gate_violations(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> list[str]:
-    """Every dataset and gate crossed (strictly above the maximum), as sentences naming the numbers."""
+def gate_violations(
+    summary: list[dict[str, Any]], vcfg: ValidationConfig, retry_failed: str = "transient"
+) -> list[str]:
+    """Every dataset and gate crossed (strictly above the maximum), as sentences naming the numbers; the
+    failed-responses gates also name the samples and what the next run does about them."""
     crossed = []
     for s in summary:
         name = f"dataset {s['dataset']!r}"
+        crossed += failed_gate_violations(s["dataset"], s, vcfg, retry_failed)
         rate_gates = (
             ("real_difference_rate", "real_difference", "referenced", "referenced samples", "max_real_difference_rate"),
             ("bpe_artifact_rate", "bpe_artifact", "referenced", "referenced samples", "max_bpe_artifact_rate"),
-            ("failed_rate", "failed_responses", "responses", "responses", "max_failed_rate"),
             ("fail_rate", "fail", "samples", "validated samples", "max_fail_verdict_rate"),
         )
         for rate, num, den, what, limit_name in rate_gates:
@@ -747,8 +758,8 @@ def gate_violations(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> li
     return crossed
 
 
-def check_gates(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> None:
+def check_gates(summary: list[dict[str, Any]], vcfg: ValidationConfig, retry_failed: str = "transient") -> None:
     """Raise ValidationGateError naming every dataset and gate crossed."""
-    crossed = gate_violations(summary, vcfg)
+    crossed = gate_violations(summary, vcfg, retry_failed)
     if crossed:
         raise ValidationGateError("validation gates crossed:\n  " + "\n  ".join(crossed))
