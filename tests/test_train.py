@@ -59,6 +59,7 @@ def write_run(run_dir: Path, model_dir: Path, rows: list[tuple[list[int], list[i
             "completion_len": [mask.count(1) for _, mask in rows],
             "reasoning_len": [0] * n,
             "completion_format": ["test"] * n,
+            "token_source": ["reencoded"] * n,
         },
         schema=TOKENS,
     )

@@ -38,6 +38,7 @@ from tasks.reconstruct.completion_format import (
     completion_layout,
     loss_mask_values,
 )
+from tasks.reconstruct.model_ids import model_completion
 from tasks.reconstruct.multiturn import ConversationTurn, build_multiturn_sequence
 from tasks.reconstruct.special_tokens import verify_special_tokens
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
@@ -52,8 +53,20 @@ RESPONSE_COLUMNS = [
     "finish_reason",
     "prompt_ids",
     "history",
+    "output_ids",
 ]
-TOKEN_STATS = ("rows", "tokens", "prompt_tokens", "completion_tokens", "reasoning_tokens", "loss_tokens")
+TOKEN_STATS = (
+    "rows",
+    "tokens",
+    "prompt_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "loss_tokens",
+    "model_rows",
+    "reencoded_rows",
+)
+TOKEN_SOURCES = ("model", "reencoded")
+"""`tokens.token_source`: the ids the endpoint reported the model generated, or the returned text re-encoded."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ class SampleText:
     finish_reason: str | None
     prompt_ids: list[int] | None
     history: list[ConversationTurn] | None = None
+    output_ids: list[int] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -179,8 +193,9 @@ def _tokens_table(
     flat: np.ndarray,
     mask: np.ndarray,
     lens: np.ndarray,
+    sources: Sequence[str],
 ) -> tuple[pa.Table, dict[str, int]]:
-    """`lens`: per row (prompt_len, completion_len, reasoning_len)."""
+    """`lens`: per row (prompt_len, completion_len, reasoning_len); `sources`: per row, a `TOKEN_SOURCES` value."""
     offsets = pa.array(row_offsets.astype(np.int32))
     n = len(samples)
     table = pa.table(
@@ -193,6 +208,7 @@ def _tokens_table(
             "completion_len": pa.array(lens[:, 1].astype(np.int32)),
             "reasoning_len": pa.array(lens[:, 2].astype(np.int32)),
             "completion_format": pa.array([fmt.name] * n, pa.string()),
+            "token_source": pa.array(list(sources), pa.string()),
         }
     )
     stats = {
@@ -202,6 +218,8 @@ def _tokens_table(
         "completion_tokens": int(lens[:, 1].sum()),
         "reasoning_tokens": int(lens[:, 2].sum()),
         "loss_tokens": int(mask.sum(dtype=np.int64)),
+        "model_rows": sum(s == "model" for s in sources),
+        "reencoded_rows": sum(s == "reencoded" for s in sources),
     }
     return table, stats
 
@@ -222,6 +240,14 @@ def _final_turn_rows(
     completion_ids, at = encode_completions(backend, fmt, layouts)
     backend.spot_check(prompts, sample_ids, prompt_ids)
     backend.spot_check(texts, sample_ids, completion_ids)
+    sources = ["reencoded"] * len(samples)
+    eot = backend.token_to_id(fmt.end_of_turn)
+    if rcfg.token_ids == "model" and eot is not None:
+        for i, s in enumerate(samples):
+            exact = None if s.output_ids is None else model_completion(backend, layouts[i], s.output_ids, eot)
+            if exact is not None:
+                completion_ids[i], at[i] = exact[0], exact[1:]
+                sources[i] = "model"
     for sample, ids in zip(samples, prompt_ids, strict=True):
         _check_prompt_ids(sample, ids)
 
@@ -241,7 +267,7 @@ def _final_turn_rows(
     values = np.tile(np.asarray(loss_mask_values(rcfg.loss_on_reasoning, rcfg.loss_on_end_of_turn), np.uint8), n)
     mask = np.repeat(values, segments.ravel())
     lens = np.stack([segments[:, 0], segments[:, 1:].sum(axis=1), segments[:, 1]], axis=1)
-    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources)
 
 
 def _multiturn_rows(
@@ -281,7 +307,7 @@ def _multiturn_rows(
     lens = np.array(
         [(q.prompt_len, len(q.input_ids) - q.prompt_len, q.reasoning_len) for q in seqs], dtype=np.int64
     ).reshape(-1, 3)
-    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, ["reencoded"] * len(seqs))
 
 
 def build_tokens_table(
@@ -333,10 +359,16 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
     """Done responses joined to their prompts, in prompt order; also the count of responses not done."""
     index = {sid: i for i, sid in enumerate(prompts.column("sample_id").to_pylist())}
     messages = prompts.column("messages").to_pylist()
-    cols = {name: responses.column(name).to_pylist() for name in RESPONSE_COLUMNS if name != "prompt_ids"}
+    cols = {
+        name: responses.column(name).to_pylist()
+        for name in RESPONSE_COLUMNS
+        if name not in ("prompt_ids", "output_ids")
+    }
     histories = cols["history"]
     prompt_ids = responses.column("prompt_ids")
     has_prompt_ids = prompt_ids.is_valid().to_pylist()
+    output_ids = responses.column("output_ids")
+    has_output_ids = output_ids.is_valid().to_pylist()
     chosen: dict[int, SampleText] = {}
     not_done = 0
     for row in range(responses.num_rows):
@@ -360,11 +392,12 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
             finish_reason=cols["finish_reason"][row],
             prompt_ids=prompt_ids[row].as_py() if has_prompt_ids[row] else None,
             history=None if history is None else _history(sid, history, conversation),
+            output_ids=output_ids[row].as_py() if has_output_ids[row] else None,
         )
     return [chosen[i] for i in sorted(chosen)], not_done
 
 
-RECONSTRUCT_CODE_VERSION = 1
+RECONSTRUCT_CODE_VERSION = 2
 """Bump when a code change alters the tokens rows built from the same inputs: every tokens part is rebuilt."""
 
 
