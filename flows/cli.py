@@ -91,6 +91,10 @@ def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
+DEMO_RUN_DIR = "runs/demo"
+REAL_DEMO_RUN_DIR = "runs/demo-real"
+
+
 def demo_config_path() -> Path:
     return Path(str(resources.files("flows").joinpath("configs/demo.yaml")))
 
@@ -180,6 +184,12 @@ def demo_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.real:
+        from flows.real_demo import cmd_demo_real
+
+        if args.run_dir == DEMO_RUN_DIR:
+            args.run_dir = REAL_DEMO_RUN_DIR
+        return cmd_demo_real(args)
     if args.train:
         from flows.train_cli import cmd_demo_train
 
@@ -478,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="print the estimate as JSON")
     estimate.set_defaults(func=cmd_estimate)
     demo = sub.add_parser("demo", help="try it: a local simulated endpoint and the bundled demo data, all stages")
-    demo.add_argument("--run-dir", default="runs/demo", help="where the demo's run directory goes")
+    demo.add_argument("--run-dir", default=DEMO_RUN_DIR, help="where the demo's run directory goes")
     demo.add_argument("--assets-dir", default="runs/_assets", help="where the tiny demo model is built once")
     demo.add_argument("--fresh", action="store_true", help="delete the run directory first")
     demo.add_argument(
@@ -489,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-progress", action="store_true", help="no live generate progress display")
     demo.add_argument("--train", action="store_true", help="answers from the tiny target itself, then train + evaluate")
+    demo.add_argument(
+        "--real",
+        action="store_true",
+        help="every stage on a real model, SmolLM2-135M-Instruct (the realmodel extra; run dir runs/demo-real): "
+        "its own answers vs other answers of the same length, ~15 minutes on 2 cores",
+    )
+    demo.add_argument("--threads", type=int, default=2, help="--real: torch threads of the model-backed endpoint")
     demo.set_defaults(func=cmd_demo)
     gen = sub.add_parser("generate", help="prepare + generate only, without Prefect (resumable)")
     gen.add_argument("config", help=CONFIG_HELP)
