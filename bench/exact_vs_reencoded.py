@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--from", dest="source", help="an existing exact-ids run of the real-model config")
     parser.add_argument("--assets-dir", default=str(REPO / "runs" / "_assets"))
     parser.add_argument("--steps", type=int, help="optimizer steps per drafter (default: the demo's budget)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_UI_ENABLED", "false")

@@ -143,12 +143,13 @@ class ModelResponder(Responder):
         cached = self._samples.get(key)
         if cached is not None:
             return cached
-        return await asyncio.wrap_future(self._submit(key, prompt_ids))
+        # shielded: a client that gives up cancels its handler, and the decode must still finish for its retry
+        return await asyncio.shield(asyncio.wrap_future(self._submit(key, prompt_ids)))
 
     def _submit(self, key: str, prompt_ids: tuple[int, ...]) -> Future[SimSample]:
         with self._pending_lock:
             pending = self._pending.get(key)
-            if pending is not None:
+            if pending is not None and not pending.cancelled():
                 return pending  # the same prompt asked again while it decodes (a client retry)
             future: Future[SimSample] = Future()
             self._pending[key] = future
@@ -188,14 +189,16 @@ class ModelResponder(Responder):
     def _deliver(self, row: _Row, sample: SimSample) -> None:
         self._samples.put(row.key, sample)
         with self._pending_lock:
-            self._pending.pop(row.key, None)
-        if not row.future.done():
+            if self._pending.get(row.key) is row.future:
+                del self._pending[row.key]
+        if not row.future.done() and row.future.set_running_or_notify_cancel():
             row.future.set_result(sample)
 
     def _deliver_error(self, row: _Row, exc: BaseException) -> None:
         with self._pending_lock:
-            self._pending.pop(row.key, None)
-        if not row.future.done():
+            if self._pending.get(row.key) is row.future:
+                del self._pending[row.key]
+        if not row.future.done() and row.future.set_running_or_notify_cancel():
             row.future.set_exception(exc)
 
     # -- decoding -------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ REAL_TRAIN: dict[str, Any] = {
 """The budget both drafters get: 48 packed batches of 1,024 tokens (about four passes over ~12k answer tokens)."""
 REAL_EVAL: dict[str, Any] = {"max_new_tokens": 64}
 REAL_BATCH = 16
+QUICK = {"prompts": 24, "max_tokens": 48, "max_steps": 8, "heldout": 4, "max_new_tokens": 24}
+"""`demo --real --quick`: the same path at a size that shows it works in a few minutes, not a figure to quote."""
 
 
 def real_config_path() -> Path:
@@ -43,7 +45,9 @@ def heldout_prompts_path() -> Path:
     return Path(str(resources.files("flows").joinpath("data/real_heldout.jsonl")))
 
 
-def _pipeline(run_dir: Path, model_dir: Path, responder: Any, no_progress: bool) -> dict[str, Any]:
+def _pipeline(
+    run_dir: Path, model_dir: Path, responder: Any, no_progress: bool, extra: dict[str, Any]
+) -> dict[str, Any]:
     from endpoint_sim.server import SimulatorServer
     from flows.cli import _heartbeats_only_for_a_server
     from flows.params import RunParameters
@@ -55,7 +59,12 @@ def _pipeline(run_dir: Path, model_dir: Path, responder: Any, no_progress: bool)
         show_progress(enabled=not no_progress),
         _heartbeats_only_for_a_server(),
     ):
-        overrides = {"run_dir": str(run_dir), "endpoint.base_url": sim.base_url, "tokenizer.path": str(model_dir)}
+        overrides = {
+            "run_dir": str(run_dir),
+            "endpoint.base_url": sim.base_url,
+            "tokenizer.path": str(model_dir),
+            **extra,
+        }
         stats: dict[str, Any] = pipeline(RunParameters(config_path=str(real_config_path()), overrides=overrides))
     return stats
 
@@ -94,22 +103,29 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     asset_s = time.monotonic() - started
     sim_config = SimConfig(model_name="sim/smollm2-135m-instruct", providers=("SimLocal",))
     own = ModelResponder(model_dir, sim_config, temperature=0.0, batch_size=REAL_BATCH, torch_threads=args.threads)
-    own_stats = _pipeline(root / "own", model_dir, own, args.no_progress)
+    extra: dict[str, Any] = {}
+    train, evaluate = dict(REAL_TRAIN), dict(REAL_EVAL)
+    if args.quick:
+        from tasks.common.config import load_config
+
+        dataset = load_config(real_config_path()).datasets[0].model_dump(mode="json")
+        extra = {"datasets": [{**dataset, "max_samples": QUICK["prompts"]}], "sampling.max_tokens": QUICK["max_tokens"]}
+        train["max_steps"] = QUICK["max_steps"]
+        evaluate = {"max_new_tokens": QUICK["max_new_tokens"], "max_prompts": QUICK["heldout"]}
+    own_stats = _pipeline(root / "own", model_dir, own, args.no_progress, extra)
     own_s = time.monotonic() - started - asset_s
     print_demo_summary(own_stats, own_s)
     other = OtherAnswersResponder(model_dir, sim_config, own)
-    _pipeline(root / "other", model_dir, other, args.no_progress)
+    _pipeline(root / "other", model_dir, other, args.no_progress, extra)
     pipelines_s = time.monotonic() - started - asset_s
 
-    options = TrainOptions(**REAL_TRAIN).__dict__
+    options = TrainOptions(**train).__dict__
     heldout = str(heldout_prompts_path())
     results: dict[str, dict[str, Any]] = {}
     for name in ("own", "other"):
         run_dir = root / name
         trained = train_flow(str(run_dir), None, options, evaluate=False)
-        evaluation = evaluate_flow(
-            str(run_dir), None, {**REAL_EVAL, "prompts_file": heldout, "baseline": name == "own"}
-        )
+        evaluation = evaluate_flow(str(run_dir), None, {**evaluate, "prompts_file": heldout, "baseline": name == "own"})
         results[name] = {"train": trained["train"], "evaluate": evaluation}
     wall_s = time.monotonic() - started
 
@@ -123,7 +139,8 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
         "k": own_walk["k"],
         "heldout_prompts": own_walk["prompts"],
         "heldout_generated_tokens": own_walk["generated_tokens"],
-        "budget": {k: REAL_TRAIN[k] for k in ("max_steps", "total_seq_len")},
+        "budget": {k: train[k] for k in ("max_steps", "total_seq_len")},
+        "quick": bool(args.quick),
         "accepted_per_verify_step": {
             "own": round(own_walk["mean_accepted_length"], 3),
             "untrained": round(base_walk["mean_accepted_length"], 3),

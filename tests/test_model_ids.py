@@ -177,3 +177,20 @@ def test_keep_length_truncated_also_passes_validation(tmp_path: Path, tokenizer_
             {**cfg.model_dump(), "endpoint": plain.model_dump()}
         ).allowed_finish_reasons
     )
+
+
+def test_a_retry_gets_the_answer_a_client_gave_up_on(tiny_model_dir: Path) -> None:
+    """A client that times out cancels its handler; the decode it queued must still serve the retry (it used to
+    be cancelled with the handler, and every retry of that prompt was then dropped: ServerDisconnected)."""
+    import httpx
+
+    responder = ModelResponder(tiny_model_dir, SimConfig(reasoning_words=(4, 6), content_words=(4, 6)))
+    prompt = list(responder.prompt_ids_for_messages([{"role": "user", "content": "Patience, please."}]))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 64}}
+    with SimulatorServer(tiny_model_dir, responder.config, responder=responder) as sim:
+        # the batch worker cannot decode until the first client has given up
+        with responder.lock, pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{sim.base_url}/generate", json=body, timeout=0.5)
+        reply = httpx.post(f"{sim.base_url}/generate", json=body, timeout=60)
+    assert reply.status_code == 200
+    assert reply.json()["output_ids"] == list(responder.sample(tuple(prompt), None).output_ids)

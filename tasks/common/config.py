@@ -182,6 +182,12 @@ class ReconstructConfig(StrictModel):
         "rebuilt from logprobs bytes) wherever a response has them, re-encoding stays the check; reencode: always "
         "store the re-encoded text (what every row without model ids gets).",
     )
+    repair_from: Path | None = Field(
+        default=None,
+        description="A run directory whose responses carry the model's ids (the same target through /generate or "
+        "logprobs): rows here without ids of their own are re-encoded, then rewritten with the splits the model "
+        "chose over the re-encoding's in those reference answers (token_source 'repaired').",
+    )
 
 
 class ValidationConfig(StrictModel):
@@ -335,7 +341,7 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         data["run_dir"] = fix(data["run_dir"])
     if isinstance(data.get("datasets"), list):
         data["datasets"] = [{**d, "path": fix(d.get("path"))} if isinstance(d, dict) else d for d in data["datasets"]]
-    for section, key in (("tokenizer", "path"), ("extract", "model_path")):
+    for section, key in (("tokenizer", "path"), ("extract", "model_path"), ("reconstruct", "repair_from")):
         if isinstance(data.get(section), dict) and data[section].get(key):
             data[section] = {**data[section], key: fix(data[section][key])}
     return data
