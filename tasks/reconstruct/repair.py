@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from tasks.reconstruct.tokenizer_backend import TokenBackend
 
 if TYPE_CHECKING:
+    from tasks.common.shards import PartRef
     from tasks.reconstruct.completion_format import CompletionFormat
 
 MIN_SHARE = 0.5
@@ -137,24 +138,19 @@ def _count(run: Sequence[int], src: tuple[int, ...]) -> int:
 _LEARNED: dict[tuple[str, str, str], RepairTable] = {}
 
 
-def learn_from_run(run_dir: Path, backend: TokenBackend, fmt: CompletionFormat, tokenizer_digest: str) -> RepairTable:
-    """The table the done responses of `run_dir` that carry the model's ids teach (cached per run directory state,
-    tokenizer and format: a finished part's marker changes when the part does)."""
-    from tasks.common.errors import ConfigError
-    from tasks.common.shards import done_parts, read_marker, read_part
+def reference_pairs(
+    refs: Iterable[PartRef], backend: TokenBackend, fmt: CompletionFormat
+) -> list[tuple[list[int], list[int]]]:
+    """(re-encoded ids, model ids) of every done final-turn response in these responses parts that carries the
+    model's ids spelling its text."""
+    from tasks.common.shards import read_part
     from tasks.reconstruct.completion_format import completion_layout
     from tasks.reconstruct.model_ids import model_completion
 
-    refs = done_parts(Path(run_dir), "responses")
-    state = hashlib.sha256(json.dumps([read_marker(r) for r in refs], sort_keys=True, default=str).encode())
-    key = (str(Path(run_dir).resolve()), tokenizer_digest, state.hexdigest() + json.dumps(fmt.describe()))
-    cached = _LEARNED.get(key)
-    if cached is not None:
-        return cached
     eot = backend.token_to_id(fmt.end_of_turn)
     pairs = []
+    columns = ["status", "reasoning", "content", "finish_reason", "output_ids", "history"]
     for ref in refs:
-        columns = ["status", "reasoning", "content", "finish_reason", "output_ids", "history"]
         for row in read_part(ref, columns=columns).to_pylist():
             if row["status"] != "done" or row["output_ids"] is None or row["history"] is not None or eot is None:
                 continue
@@ -165,6 +161,22 @@ def learn_from_run(run_dir: Path, backend: TokenBackend, fmt: CompletionFormat, 
             exact = model_completion(backend, layout, row["output_ids"], eot)
             if exact is not None:
                 pairs.append((backend.encode(layout.text), exact[0]))
+    return pairs
+
+
+def learn_from_run(run_dir: Path, backend: TokenBackend, fmt: CompletionFormat, tokenizer_digest: str) -> RepairTable:
+    """The table the done responses of `run_dir` that carry the model's ids teach (cached per run directory state,
+    tokenizer and format: a finished part's marker changes when the part does)."""
+    from tasks.common.errors import ConfigError
+    from tasks.common.shards import done_parts, read_marker
+
+    refs = done_parts(Path(run_dir), "responses")
+    state = hashlib.sha256(json.dumps([read_marker(r) for r in refs], sort_keys=True, default=str).encode())
+    key = (str(Path(run_dir).resolve()), tokenizer_digest, state.hexdigest() + json.dumps(fmt.describe()))
+    cached = _LEARNED.get(key)
+    if cached is not None:
+        return cached
+    pairs = reference_pairs(refs, backend, fmt)
     if not pairs:
         raise ConfigError(f"reconstruct.repair_from {run_dir}: no done response there carries the model's ids")
     table = _LEARNED[key] = RepairTable.learn(backend, pairs)
