@@ -128,13 +128,14 @@ def main() -> int:
     parser.add_argument("--assets-dir", default=str(REPO / "runs" / "_assets"))
     parser.add_argument("--steps", type=int, help="optimizer steps per drafter (default: the demo's budget)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="the demo's --quick sizes: a smoke run, not a figure")
     args = parser.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_UI_ENABLED", "false")
     from endpoint_sim.model_backend import ModelResponder
     from endpoint_sim.responder import Responder, SimConfig
     from endpoint_sim.smollm2 import DIR_NAME, ensure_smollm2_dir
-    from flows.real_demo import REAL_BATCH, REAL_EVAL, REAL_TRAIN, heldout_prompts_path
+    from flows.real_demo import QUICK, REAL_BATCH, REAL_EVAL, REAL_TRAIN, heldout_prompts_path, quick_overrides
     from tasks.evaluate import evaluate_run
     from tasks.train import TrainOptions, train_run
 
@@ -143,20 +144,29 @@ def main() -> int:
     model_dir = ensure_smollm2_dir(Path(args.assets_dir).resolve() / DIR_NAME)
     sim_config = SimConfig(model_name="sim/smollm2-135m-instruct", providers=("SimLocal",))
     exact = Path(args.source).resolve() if args.source else out / "exact"
+    if args.quick and not args.source:
+        raise SystemExit("--quick measures an existing run: pass --from runs/demo-real/own (demo --real --quick)")
     if not args.source:
         own = ModelResponder(model_dir, sim_config, temperature=0.0, batch_size=REAL_BATCH, torch_threads=args.threads)
         pipeline_run(exact, model_dir, own, {})
     reencoded = out / "reencoded"
     copy_answers(exact, reencoded)
-    pipeline_run(reencoded, model_dir, Responder(model_dir, sim_config), {"reconstruct.token_ids": "reencode"})
+    sizes = quick_overrides() if args.quick else {}
+    pipeline_run(
+        reencoded, model_dir, Responder(model_dir, sim_config), {**sizes, "reconstruct.token_ids": "reencode"}
+    )
     pipelines_s = time.monotonic() - started
 
-    options = TrainOptions(**{**REAL_TRAIN, **({"max_steps": args.steps} if args.steps else {})})
+    train, evaluate = dict(REAL_TRAIN), dict(REAL_EVAL)
+    if args.quick:
+        train.update(max_steps=QUICK["max_steps"], val_fraction=QUICK["val_fraction"])
+        evaluate = {"max_new_tokens": QUICK["max_new_tokens"], "max_prompts": QUICK["heldout"]}
+    options = TrainOptions(**{**train, **({"max_steps": args.steps} if args.steps else {})})
     result: dict[str, Any] = {"bench": "exact_vs_reencoded", "target": "SmolLM2-135M-Instruct"}
     for name, run_dir in (("exact", exact), ("reencoded", reencoded)):
         summary = train_run(run_dir, run_dir / "train", options)
         evaluation = evaluate_run(
-            run_dir, run_dir / "train", prompts_file=heldout_prompts_path(), baseline=False, **REAL_EVAL
+            run_dir, run_dir / "train", prompts_file=heldout_prompts_path(), baseline=False, **evaluate
         )
         walk = evaluation["walk"]
         last_val = summary["val_metrics"][-1] if summary["val_metrics"] else {}

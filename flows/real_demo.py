@@ -33,7 +33,7 @@ REAL_TRAIN: dict[str, Any] = {
 """The budget both drafters get: 48 packed batches of 1,024 tokens (about four passes over ~12k answer tokens)."""
 REAL_EVAL: dict[str, Any] = {"max_new_tokens": 64}
 REAL_BATCH = 16
-QUICK = {"prompts": 24, "max_tokens": 48, "max_steps": 8, "heldout": 4, "max_new_tokens": 24}
+QUICK = {"prompts": 24, "max_tokens": 48, "max_steps": 8, "val_fraction": 0.25, "heldout": 4, "max_new_tokens": 24}
 """`demo --real --quick`: the same path at a size that shows it works in a few minutes, not a figure to quote."""
 
 
@@ -67,6 +67,14 @@ def _pipeline(
         }
         stats: dict[str, Any] = pipeline(RunParameters(config_path=str(real_config_path()), overrides=overrides))
     return stats
+
+
+def quick_overrides() -> dict[str, Any]:
+    """Config overrides of `--quick`: the first prompts only, shorter answers."""
+    from tasks.common.config import load_config
+
+    dataset = load_config(real_config_path()).datasets[0].model_dump(mode="json")
+    return {"datasets": [{**dataset, "max_samples": QUICK["prompts"]}], "sampling.max_tokens": QUICK["max_tokens"]}
 
 
 def token_source_counts(stats: dict[str, Any]) -> dict[str, int]:
@@ -106,11 +114,8 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     extra: dict[str, Any] = {}
     train, evaluate = dict(REAL_TRAIN), dict(REAL_EVAL)
     if args.quick:
-        from tasks.common.config import load_config
-
-        dataset = load_config(real_config_path()).datasets[0].model_dump(mode="json")
-        extra = {"datasets": [{**dataset, "max_samples": QUICK["prompts"]}], "sampling.max_tokens": QUICK["max_tokens"]}
-        train["max_steps"] = QUICK["max_steps"]
+        extra = quick_overrides()
+        train.update(max_steps=QUICK["max_steps"], val_fraction=QUICK["val_fraction"])  # the trainer needs a split
         evaluate = {"max_new_tokens": QUICK["max_new_tokens"], "max_prompts": QUICK["heldout"]}
     own_stats = _pipeline(root / "own", model_dir, own, args.no_progress, extra)
     own_s = time.monotonic() - started - asset_s
