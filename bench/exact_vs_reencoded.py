@@ -152,9 +152,7 @@ def main() -> int:
     reencoded = out / "reencoded"
     copy_answers(exact, reencoded)
     sizes = quick_overrides() if args.quick else {}
-    pipeline_run(
-        reencoded, model_dir, Responder(model_dir, sim_config), {**sizes, "reconstruct.token_ids": "reencode"}
-    )
+    pipeline_run(reencoded, model_dir, Responder(model_dir, sim_config), {**sizes, "reconstruct.token_ids": "reencode"})
     pipelines_s = time.monotonic() - started
 
     train, evaluate = dict(REAL_TRAIN), dict(REAL_EVAL)
