@@ -31,7 +31,7 @@ REAL_TRAIN: dict[str, Any] = {
     "val_fraction": 0.05,
 }
 """The budget both drafters get: 48 packed batches of 1,024 tokens (about four passes over ~12k answer tokens)."""
-REAL_EVAL: dict[str, Any] = {"max_new_tokens": 64}
+REAL_EVAL: dict[str, Any] = {"max_new_tokens": 48}
 REAL_BATCH = 16
 QUICK = {"prompts": 24, "max_tokens": 48, "max_steps": 8, "val_fraction": 0.25, "heldout": 4, "max_new_tokens": 24}
 """`demo --real --quick`: the same path at a size that shows it works in a few minutes, not a figure to quote."""

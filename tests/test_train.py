@@ -208,6 +208,7 @@ def test_evaluate_walks_exactly_the_prompts_of_a_file(
     assert result["walk"]["prompts"] == 3 and result["walk"]["generated_tokens"] == 3 * 8
 
     path.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": []}\n')
+    capsys.readouterr()  # what the walk above printed
     assert main(["evaluate", str(run_dir), "--prompts", str(path), "--no-prefect"]) == ExitCode.USER
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "row 1" in err and str(path) in err
