@@ -25,6 +25,7 @@ equals the model's ids, against rows whose plain re-encoding does. CPU, ~10-15 m
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shutil
@@ -65,6 +66,13 @@ def copy_answers(source: Path, target: Path) -> None:
         shutil.copytree(source / "spend", target / "spend")
 
 
+def _edits(ours: list[int], model: list[int]) -> tuple[int, int]:
+    """(places where the two id sequences differ, model tokens inside those places), aligned with difflib."""
+    ops = difflib.SequenceMatcher(a=ours, b=model, autojunk=False).get_opcodes()
+    changed = [(j1, j2) for op, _, _, j1, j2 in ops if op != "equal"]
+    return len(changed), sum(j2 - j1 for j1, j2 in changed)
+
+
 def differing(exact: Path, reencoded: Path) -> dict[str, int]:
     from tasks.common.shards import done_parts, read_part
 
@@ -72,23 +80,27 @@ def differing(exact: Path, reencoded: Path) -> dict[str, int]:
     for ref in done_parts(exact, "tokens"):
         for row in read_part(ref, columns=["sample_id", "input_ids"]).to_pylist():
             ids[row["sample_id"]] = row["input_ids"]
-    rows = tokens = total = 0
+    rows = places = tokens = total = 0
     for ref in done_parts(reencoded, "tokens"):
         for row in read_part(ref, columns=["sample_id", "input_ids"]).to_pylist():
-            other = ids[row["sample_id"]]
-            total += len(other)
-            if other != row["input_ids"]:
+            model = ids[row["sample_id"]]
+            total += len(model)
+            if model != row["input_ids"]:
                 rows += 1
-                tokens += abs(len(other) - len(row["input_ids"])) + sum(
-                    a != b for a, b in zip(other, row["input_ids"], strict=False)
-                )
-    return {"rows": len(ids), "rows_differing": rows, "tokens": total, "token_positions_differing": tokens}
+                where, inside = _edits(row["input_ids"], model)
+                places, tokens = places + where, tokens + inside
+    return {
+        "rows": len(ids),
+        "rows_differing": rows,
+        "places": places,
+        "model_tokens_in_places": tokens,
+        "tokens": total,
+    }
 
 
 def repair_exactness(exact: Path, model_dir: Path) -> dict[str, Any]:
-    """The repair for text-only endpoints, measured without leakage: rules learned from the first half of the
-    exact run's responses parts, applied to the re-encoding of the second half's answers, compared with the
-    model's ids there."""
+    """The repair for text-only endpoints, measured without leakage: rules learned from every other answer of the
+    exact run (the even rows), applied to the re-encoding of the others, compared with the model's ids there."""
     from tasks.common.config import TokenizerConfig
     from tasks.common.shards import done_parts
     from tasks.reconstruct.completion_format import derive_format
@@ -98,26 +110,24 @@ def repair_exactness(exact: Path, model_dir: Path) -> dict[str, Any]:
 
     tokenizer = load_tokenizer(TokenizerConfig(path=model_dir))
     backend, fmt = backend_for(tokenizer), derive_format(tokenizer)
-    refs = done_parts(exact, "responses")
-    half = max(1, len(refs) // 2)
-    table = RepairTable.learn(backend, reference_pairs(refs[:half], backend, fmt))
-    rows = reencoded_exact = repaired_exact = 0
-    reencoded_off = repaired_off = 0
-    for ours, model in reference_pairs(refs[half:], backend, fmt):
+    pairs = reference_pairs(done_parts(exact, "responses"), backend, fmt)
+    table = RepairTable.learn(backend, pairs[0::2])
+    rows = reencoded_exact = repaired_exact = reencoded_places = repaired_places = 0
+    for ours, model in pairs[1::2]:
         fixed, _ = table.apply(backend, ours)
         rows += 1
         reencoded_exact += ours == model
         repaired_exact += fixed == model
-        reencoded_off += sum(a != b for a, b in zip(ours, model, strict=False)) + abs(len(ours) - len(model))
-        repaired_off += sum(a != b for a, b in zip(fixed, model, strict=False)) + abs(len(fixed) - len(model))
+        reencoded_places += _edits(ours, model)[0]
+        repaired_places += _edits(fixed, model)[0]
     return {
-        "learned_from_parts": half,
+        "learned_from_rows": len(pairs[0::2]),
         "rules": table.describe(backend),
         "rows": rows,
         "reencoded_rows_exact": reencoded_exact,
         "repaired_rows_exact": repaired_exact,
-        "reencoded_positions_off": reencoded_off,
-        "repaired_positions_off": repaired_off,
+        "reencoded_places_differing": reencoded_places,
+        "repaired_places_differing": repaired_places,
     }
 
 
