@@ -204,9 +204,9 @@ class ModelResponder(Responder):
     # -- decoding -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _decode(self, rows: list[_Row]) -> None:
-        """One left-padded batch, decoded step by step with a KV cache; a row that ends is delivered at once and
-        dropped from the batch (and from the cache), so the rest decode at the cost of the rows still running."""
+    def _prefill(self, rows: list[_Row]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prompts of `rows`, left-padded, through the model: (KV cache, attention mask, last position per row,
+        next-token logits per row)."""
         width = max(len(r.prompt_ids) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -220,16 +220,57 @@ class ModelResponder(Responder):
             position_ids=positions.to(self.device),
             use_cache=True,
         )
-        past, logits = out.past_key_values, out.logits[:, -1].float().cpu()
-        positions = positions[:, -1:]
+        return out.past_key_values, mask, positions[:, -1:], out.logits[:, -1].float().cpu()
+
+    @staticmethod
+    def _joinable(past: Any) -> bool:
+        return all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in getattr(past, "layers", [None]))
+
+    @staticmethod
+    def _join(
+        a: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor], b: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Two running batches as one: the shorter cache (and its mask) left-padded to the longer, then stacked."""
+        (past_a, mask_a, pos_a, logits_a), (past_b, mask_b, pos_b, logits_b) = a, b
+        width = max(mask_a.shape[1], mask_b.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for layer_a, layer_b in zip(past_a.layers, past_b.layers, strict=True):
+            layer_a.keys = torch.cat([pad(layer_a.keys, 2), pad(layer_b.keys, 2)], dim=0)
+            layer_a.values = torch.cat([pad(layer_a.values, 2), pad(layer_b.values, 2)], dim=0)
+        mask = torch.cat([pad(mask_a, 1), pad(mask_b, 1)], dim=0)
+        return past_a, mask, torch.cat([pos_a, pos_b]), torch.cat([logits_a, logits_b])
+
+    def _waiting(self, room: int) -> list[_Row]:
+        rows: list[_Row] = []
+        while len(rows) < room:
+            try:
+                rows.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return rows
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Row]) -> None:
+        """Decode `rows` step by step with a KV cache, as one left-padded batch that rows leave the moment they end
+        (each is delivered at once) and queued rows join between steps (continuous batching), until none runs."""
+        rows = list(rows)
+        past, mask, positions, logits = self._prefill(rows)
+        joinable = self._joinable(past)
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
         live = list(range(len(rows)))  # batch row b decodes rows[live[b]]
-        step = 0
         while live:
             chosen, keep = [], []
             for b, i in enumerate(live):
-                token, logprob = self._next(rows[i], step, logits[b])
+                token, logprob = self._next(rows[i], len(tokens[i]), logits[b])
                 tokens[i].append(token)
                 logprobs[i].append(logprob)
                 if self._ended(rows[i], tokens[i], token):
@@ -237,24 +278,36 @@ class ModelResponder(Responder):
                 else:
                     chosen.append(token)
                     keep.append(b)
-            step += 1
-            if not keep:
-                return
-            if len(keep) < len(live):
-                index = torch.tensor(keep, dtype=torch.long)
-                past.batch_select_indices(index.to(self.device))
-                mask, positions = mask[index], positions[index]
-                live = [live[b] for b in keep]
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
-            positions = positions + 1
-            out = self.model(
-                input_ids=torch.tensor(chosen, dtype=torch.long).unsqueeze(1).to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device),
-                past_key_values=past,
-                use_cache=True,
-            )
-            past, logits = out.past_key_values, out.logits[:, -1].float().cpu()
+            if keep:
+                if len(keep) < len(live):
+                    index = torch.tensor(keep, dtype=torch.long)
+                    past.batch_select_indices(index.to(self.device))
+                    mask, positions = mask[index], positions[index]
+                    live = [live[b] for b in keep]
+                mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
+                positions = positions + 1
+                out = self.model(
+                    input_ids=torch.tensor(chosen, dtype=torch.long).unsqueeze(1).to(self.device),
+                    attention_mask=mask.to(self.device),
+                    position_ids=positions.to(self.device),
+                    past_key_values=past,
+                    use_cache=True,
+                )
+                past, logits = out.past_key_values, out.logits[:, -1].float().cpu()
+            else:
+                live = []
+            joining = self._waiting(self.batch_size - len(live)) if joinable or not live else []
+            if joining:
+                start = len(rows)
+                rows += joining
+                tokens += [[] for _ in joining]
+                logprobs += [[] for _ in joining]
+                fresh = self._prefill(joining)
+                if live:
+                    past, mask, positions, logits = self._join((past, mask, positions, logits), fresh)
+                else:
+                    past, mask, positions, logits = fresh
+                live += range(start, len(rows))
 
     def _next(self, row: _Row, step: int, logits: torch.Tensor) -> tuple[int, float]:
         """The row's token at `step` and the model's log-probability of it."""
