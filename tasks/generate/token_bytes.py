@@ -119,16 +119,19 @@ class TokenBytesIndex:
         return out
 
 
-_INDEXES: dict[int, TokenBytesIndex] = {}
+_INDEXES: dict[tuple[str, str, int, int], TokenBytesIndex] = {}
 
 
 def token_bytes_index(tokenizer: PreTrainedTokenizerBase) -> TokenBytesIndex:
-    """Built once per tokenizer object (a vocabulary walk: ~0.1 s for 150k tokens)."""
-    found = _INDEXES.get(id(tokenizer))
+    """Built once per tokenizer (a vocabulary walk); the client and a simulator in the same process load the same
+    directory as two objects, so the key is the tokenizer's class, directory, size and added tokens."""
+    added = tuple(sorted(added_tokens(tokenizer).items()))
+    key = (type(tokenizer).__name__, str(getattr(tokenizer, "name_or_path", "")), len(tokenizer), hash(added))
+    found = _INDEXES.get(key)
     if found is None:
         if len(_INDEXES) > 8:
             _INDEXES.clear()
-        found = _INDEXES[id(tokenizer)] = TokenBytesIndex.build(tokenizer)
+        found = _INDEXES[key] = TokenBytesIndex.build(tokenizer)
     return found
 
 
