@@ -391,8 +391,8 @@ def validate_tables(
     """One validation row per tokens row, in the same order.
 
     The reference comparison is always the re-encoded text against the endpoint's ids: for a row that stores the
-    model's ids (`token_source` "model") the text is re-encoded here, so the report still says how often
-    re-encoding alone would have been wrong, and the stored ids must equal the reference."""
+    model's ids (`token_source` "model") or repaired ids the text is re-encoded here, so the report still says how
+    often re-encoding alone would have been wrong; stored model ids must equal the reference."""
     allowed = list(vcfg.allowed_finish_reasons if allowed_finish_reasons is None else allowed_finish_reasons)
     formats = set(tokens.column("completion_format").to_pylist())
     if formats - {fmt.name}:
@@ -424,8 +424,8 @@ def validate_tables(
             raise ReconstructionError(sid, "tokens row has no done response in the responses part")
         truncated = resp["finish_reason"][r] == "length"
         layouts.append(completion_layout(fmt, resp["reasoning"][r], resp["content"][r], truncated=truncated))
-    model_rows = [i for i, src in enumerate(sources) if src == "model"]
-    reencoded = dict(zip(model_rows, backend.encode_batch([layouts[i].text for i in model_rows]), strict=True))
+    not_reencoded = [i for i, src in enumerate(sources) if src in ("model", "repaired")]
+    reencoded = dict(zip(not_reencoded, backend.encode_batch([layouts[i].text for i in not_reencoded]), strict=True))
 
     rows: list[dict[str, Any]] = []
     for i, sid in enumerate(sample_ids):
