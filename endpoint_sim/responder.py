@@ -187,10 +187,16 @@ class SimSample:
     has_tool_call: bool
     noncanonical: bool
     text_mismatch: bool
+    has_reasoning: bool = True
+    finished: bool = True
+    """The answer ends with its end-of-turn token (False: a model-backed decode stopped at its token cap)."""
+    logprobs: tuple[float, ...] | None = None
+    """Per output id, the model's log-probability of it (a model-backed answer); None: the stock generator, whose
+    every token is certain (logprob 0)."""
 
     @property
     def text(self) -> str:
-        return self.reasoning + REASONING_CLOSE + self.content
+        return self.reasoning + REASONING_CLOSE + self.content if self.has_reasoning else self.content
 
 
 def unit_hash(*parts: object) -> float:
@@ -264,17 +270,22 @@ class Responder:
         self.config = config or SimConfig()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         eos = self.tokenizer.eos_token_id
-        close = self.tokenizer.convert_tokens_to_ids(REASONING_CLOSE)
-        if not isinstance(eos, int) or not isinstance(close, int) or close == self.tokenizer.unk_token_id:
-            raise ValueError(f"{model_dir}: tokenizer needs an eos id and a single {REASONING_CLOSE!r} token")
+        if not isinstance(eos, int):
+            raise ValueError(f"{model_dir}: tokenizer needs an eos id (the end of an answer)")
         self.eos_id: int = eos
         self.eos_token: str = str(self.tokenizer.eos_token)
-        self.reasoning_close_id: int = close
+        # A tokenizer with a single `</think>` token answers in the thinking shape (reasoning, `</think>`, content);
+        # any other answers with content only (an instruct model such as SmolLM2).
+        close = self.tokenizer.convert_tokens_to_ids(REASONING_CLOSE)
+        single = isinstance(close, int) and close != self.tokenizer.unk_token_id
+        if single and self.tokenizer.encode(REASONING_CLOSE, add_special_tokens=False) != [close]:
+            single = False
+        self.reasoning_close_id: int | None = close if single and isinstance(close, int) else None
         self._vocab: dict[str, int] = self.tokenizer.get_vocab()
         self._special_ids = frozenset(self.tokenizer.all_special_ids) | frozenset(
             self.tokenizer.get_added_vocab().values()
         )
-        self.close_is_special: bool = close in self.tokenizer.all_special_ids
+        self.close_is_special: bool = self.reasoning_close_id in self.tokenizer.all_special_ids
         self._prompts: _Lru[str, tuple[int, ...]] = _Lru(self.config.cache_size)
         self._samples: _Lru[str, SimSample] = _Lru(self.config.cache_size)
 
@@ -334,19 +345,23 @@ class Responder:
         rng = _rng(key, cfg.seed, "text")
         reasoning = _paragraph(rng, rng.randint(*cfg.reasoning_words), cfg.code_rate)
         content = _paragraph(rng, rng.randint(*cfg.content_words), cfg.code_rate)
+        thinking = self.reasoning_close_id is not None
+        close = REASONING_CLOSE if thinking else ""
+        if not thinking:
+            reasoning = ""
         has_tool_call = unit_hash(key, cfg.seed, "tool") < cfg.tool_call_rate
         if has_tool_call:
             content = (content + "\n\n" if content else "") + _tool_call(rng)
-        if unit_hash(key, cfg.seed, "whitespace") < cfg.boundary_whitespace_rate:
+        if thinking and unit_hash(key, cfg.seed, "whitespace") < cfg.boundary_whitespace_rate:
             reasoning, content = reasoning + "\n", "\n\n" + content
         provider = cfg.providers[int(unit_hash(key, cfg.seed, "provider") * len(cfg.providers))]
-        canonical_body = self._encode(reasoning + REASONING_CLOSE + content)
+        canonical_body = self._encode(reasoning + close + content)
         canonical = (*canonical_body, self.eos_id)
         output_body = canonical_body
         text_mismatch = unit_hash(key, cfg.seed, "mismatch") < cfg.text_mismatch_rate
         if text_mismatch:
             altered = _alter(content, _rng(key, cfg.seed, "mismatch-word"))
-            output_body = self._encode(reasoning + REASONING_CLOSE + altered)
+            output_body = self._encode(reasoning + close + altered)
         noncanonical = False
         if unit_hash(key, cfg.seed, "noncanonical") < cfg.noncanonical_rate:
             split = self._split_one_token(output_body, _rng(key, cfg.seed, "noncanonical-pos"))
@@ -362,11 +377,12 @@ class Responder:
             content=content,
             output_ids=output,
             canonical_ids=canonical,
-            reasoning_tokens=output.index(self.reasoning_close_id),
+            reasoning_tokens=output.index(self.reasoning_close_id) if self.reasoning_close_id is not None else 0,
             provider=provider,
             has_tool_call=has_tool_call,
             noncanonical=noncanonical,
             text_mismatch=text_mismatch,
+            has_reasoning=thinking,
         )
 
     def _encode(self, text: str) -> tuple[int, ...]:

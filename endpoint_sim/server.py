@@ -41,6 +41,7 @@ from endpoint_sim.openrouter import (
     empty_answer,
     partial_answer,
     stream_frames,
+    token_pieces,
     usage,
     without_reasoning,
 )
@@ -238,10 +239,11 @@ def _int_or_none(value: Any, name: str) -> int | None:
 
 
 def _truncate(sample: SimSample, limit: int | None) -> tuple[tuple[int, ...], str]:
-    """The ids actually "generated" under a token limit, and the finish reason."""
+    """The ids actually "generated" under a token limit, and the finish reason (a model-backed decode that hit
+    its own token cap before its end of turn is a "length" answer too)."""
     if limit is not None and len(sample.output_ids) > limit:
         return sample.output_ids[:limit], "length"
-    return sample.output_ids, "stop"
+    return sample.output_ids, "stop" if sample.finished else "length"
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,8 +288,8 @@ async def _admit(
         state.injected[f"http_{rule.status}" if rule.kind == "http" else rule.kind] += 1
         if rule.kind in _RESPONSE_KINDS:
             return _failure_response(state, request, rule, attempt, len(prompt_ids))
-    if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: a real decode, off the loop
-        sample = await asyncio.to_thread(state.responder.sample, prompt_ids, seed, key)
+    if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: batched, off the loop
+        sample = await state.responder.sample_async(prompt_ids, seed, key)  # type: ignore[attr-defined]
     else:
         sample = state.responder.sample(prompt_ids, seed, key)
     ids, finish = _truncate(sample, limit)
@@ -374,6 +376,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens = _int_or_none(body.get("max_tokens", body.get("max_completion_tokens")), "max_tokens")
     except ValueError as exc:
         return state.respond(400, _error(400, str(exc)))
+    want_logprobs = body.get("logprobs") is True
     responder = state.responder
     prompt_ids = responder.prompt_ids_for_messages(messages)
     admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens)
@@ -389,14 +392,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gen_id = f"gen-{admitted.attempt}-{admitted.key}"
     meta = ChatMeta(gen_id, admitted.sample.provider, cfg.model_name, int(time.time()))
     usage_ = usage(cfg, len(prompt_ids), billed)
+    # Per-token logprobs with bytes (OpenAI's shape) for a whole answer; a broken one carries none.
+    whole = kind is None or kind == "hang"
+    pieces = (
+        token_pieces(responder, admitted.sample, admitted.ids, admitted.finish) if want_logprobs and whole else None
+    )
     if stream:
         options = body.get("stream_options")
         include_usage = not (isinstance(options, dict) and options.get("include_usage") is False)
-        frames = stream_frames(meta, shown, usage_ if include_usage else None, admitted.key)
+        frames = stream_frames(meta, shown, usage_ if include_usage else None, admitted.key, pieces)
         return await _stream(state, request, admitted, meta, frames, len(prompt_ids), billed)
     if admitted.rule is not None and kind == "hang":
         await asyncio.sleep(admitted.rule.hang_s)
-    out = completion_body(meta, shown, usage_)
+    out = completion_body(meta, shown, usage_, pieces)
     _record(state, admitted, meta, len(prompt_ids), billed, streamed=False)
     if kind == "truncated_json":
         return _truncated_json(state, out)
@@ -783,14 +791,19 @@ class SimulatorServer:
 
 
 def serve_forever(
-    model_dir: Path | str, config: SimConfig, host: str, port: int, port_file: Path | None = None
+    model_dir: Path | str,
+    config: SimConfig,
+    host: str,
+    port: int,
+    port_file: Path | None = None,
+    responder: Responder | None = None,
 ) -> None:
     """Foreground server for `python -m endpoint_sim` (benchmarks, manual runs) until SIGINT or SIGTERM.
 
     With `port_file`, the bound port (useful with port 0) is written there atomically once the server listens,
     so a parent process can wait for the file instead of polling the socket.
     """
-    state = SimState(Responder(model_dir, config))
+    state = SimState(responder or Responder(model_dir, config))
     asyncio.run(_serve_until_signal(state, f"endpoint-sim serving {model_dir}", host, port, port_file))
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from flows.cli_common import (
     prefect_env,
     print_demo_summary,
     print_run_summary,
+    quiet_prefect_console,
 )
 from flows.exit_codes import ExitCode, error_line, exit_code_for, exit_code_table
 
@@ -39,21 +39,6 @@ if TYPE_CHECKING:
     from tasks.generate.progress import Listener
 
 __all__ = ["demo_config_path", "main", "print_demo_summary", "print_run_summary"]
-
-
-class _NoTraceback(logging.Filter):
-    """Prefect logs every failed task with its traceback; the console shows the message, the API keeps it all."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.exc_info = None
-        record.exc_text = None
-        return True
-
-
-def _quiet_prefect_console() -> None:
-    if not cli_common.DEBUG:
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(_NoTraceback())
 
 
 def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -68,6 +53,10 @@ def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
+DEMO_RUN_DIR = "runs/demo"
+REAL_DEMO_RUN_DIR = "runs/demo-real"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     prefect_env()
     overrides = _parse_overrides(args.set or [])
@@ -79,7 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.params import RunParameters
     from flows.pipeline import pipeline
 
-    _quiet_prefect_console()
+    quiet_prefect_console()
     run = RunParameters(
         config_path=str(config_path), overrides=overrides, endpoint_block=args.endpoint_block, dry_run=args.dry_run
     )
@@ -160,6 +149,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.real:
+        from flows.real_demo import cmd_demo_real
+
+        if args.run_dir == DEMO_RUN_DIR:
+            args.run_dir = REAL_DEMO_RUN_DIR
+        return cmd_demo_real(args)
     if args.train:
         from flows.train_cli import cmd_demo_train
 
@@ -170,7 +165,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
     from tasks.generate.progress_display import show_progress
 
-    _quiet_prefect_console()
+    quiet_prefect_console()
     run_dir, model_dir = demo_dirs(args)
     started = time.monotonic()
     sim_config = SimConfig(noncanonical_rate=args.noncanonical_rate)
@@ -455,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="print the estimate as JSON")
     estimate.set_defaults(func=cmd_estimate)
     demo = sub.add_parser("demo", help="try it: a local simulated endpoint and the bundled demo data, all stages")
-    demo.add_argument("--run-dir", default="runs/demo", help="where the demo's run directory goes")
+    demo.add_argument("--run-dir", default=DEMO_RUN_DIR, help="where the demo's run directory goes")
     demo.add_argument("--assets-dir", default="runs/_assets", help="where the tiny demo model is built once")
     demo.add_argument("--fresh", action="store_true", help="delete the run directory first")
     demo.add_argument(
@@ -466,6 +461,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-progress", action="store_true", help="no live generate progress display")
     demo.add_argument("--train", action="store_true", help="answers from the tiny target itself, then train + evaluate")
+    demo.add_argument(
+        "--real",
+        action="store_true",
+        help="every stage on a real model, SmolLM2-135M-Instruct (the realmodel extra; run dir runs/demo-real): "
+        "its own answers vs other answers of the same length, sized for ~15 minutes on 2 idle cores",
+    )
+    demo.add_argument("--threads", type=int, default=1, help="--real: torch threads of the model-backed endpoint")
+    demo.add_argument("--quick", action="store_true", help="--real: 24 short answers, 8 steps: a smoke run, no figure")
     demo.set_defaults(func=cmd_demo)
     gen = sub.add_parser("generate", help="prepare + generate only, without Prefect (resumable)")
     gen.add_argument("config", help=CONFIG_HELP)

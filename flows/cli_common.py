@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -25,6 +26,21 @@ PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_UI_ENABLED": "false",
 }
+
+
+class _NoTraceback(logging.Filter):
+    """Prefect logs every failed task with its traceback; the console shows the message, the API keeps it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        return True
+
+
+def quiet_prefect_console() -> None:
+    if not DEBUG:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_NoTraceback())
 
 
 def prefect_env() -> None:

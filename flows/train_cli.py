@@ -54,6 +54,11 @@ def add_train_commands(sub: Any) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=96, help="tokens the target decodes per held-out prompt")
     ev.add_argument("--max-prompts", type=int, help="evaluate at most this many held-out prompts")
     ev.add_argument("--no-baseline", action="store_true", help="skip the untrained drafter's walk")
+    ev.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="walk exactly these prompts (JSONL/Parquet of messages or conversations) instead of the held-out split",
+    )
     ev.add_argument("--no-prefect", action="store_true", help="plain calls, no Prefect flow or artifacts")
     ev.set_defaults(func=_user_errors(cmd_evaluate))
 
@@ -120,7 +125,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     train_dir = Path(args.train_dir).resolve() if args.train_dir else None
-    kwargs = {"max_new_tokens": args.max_new_tokens, "max_prompts": args.max_prompts, "baseline": not args.no_baseline}
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": args.max_new_tokens,
+        "max_prompts": args.max_prompts,
+        "baseline": not args.no_baseline,
+    }
+    if args.prompts:
+        kwargs["prompts_file"] = str(Path(args.prompts).resolve())
     if args.no_prefect:
         from tasks.evaluate import evaluate_run
 

@@ -103,6 +103,7 @@ def test_stage_writes_the_same_states_from_a_split_model(
                 "completion_len": [len(s) for s in SEQUENCES],
                 "reasoning_len": [0] * n,
                 "completion_format": ["test"] * n,
+                "token_source": ["reencoded"] * n,
             },
             schema=TOKENS,
         )

@@ -72,7 +72,14 @@ class EndpointConfig(StrictModel):
     backoff_base_s: float = Field(default=1.0, ge=0)
     backoff_max_s: float = Field(default=60.0, ge=0)
     keep_length_truncated: bool = Field(
-        default=False, description="Keep samples that ended with finish_reason=length (else: failed)."
+        default=False,
+        description="Keep samples that ended with finish_reason=length (else: failed); validation then passes "
+        "them too ('length' joins validation.allowed_finish_reasons): the one setting for truncated answers.",
+    )
+    logprobs: bool = Field(
+        default=False,
+        description="openai_chat: ask for per-token logprobs (`logprobs: true`) and rebuild the model's exact ids "
+        "from their bytes (stored as output_ids); providers that return none are re-encoded as before.",
     )
     provider_routing: dict[str, Any] | None = Field(
         default=None, description="OpenRouter `provider` object (order, only, quantizations, ...)."
@@ -169,6 +176,18 @@ class TokenizerConfig(StrictModel):
 class ReconstructConfig(StrictModel):
     loss_on_reasoning: bool = True
     loss_on_end_of_turn: bool = True
+    token_ids: Literal["model", "reencode"] = Field(
+        default="model",
+        description="model: store the ids the endpoint reported the model generated (SGLang output_ids, or ids "
+        "rebuilt from logprobs bytes) wherever a response has them, re-encoding stays the check; reencode: always "
+        "store the re-encoded text (what every row without model ids gets).",
+    )
+    repair_from: Path | None = Field(
+        default=None,
+        description="A run directory whose responses carry the model's ids (the same target through /generate or "
+        "logprobs): rows here without ids of their own are re-encoded, then rewritten with the splits the model "
+        "chose over the re-encoding's in those reference answers (token_source 'repaired').",
+    )
 
 
 class ValidationConfig(StrictModel):
@@ -282,7 +301,18 @@ class PipelineConfig(StrictModel):
             raise ValueError("endpoint.stream applies to openai_chat endpoints only")
         if ep.reconcile_cost and ep.kind != "openai_chat":
             raise ValueError("endpoint.reconcile_cost reads OpenRouter's /generation records: openai_chat only")
+        if ep.logprobs and ep.kind != "openai_chat":
+            raise ValueError("endpoint.logprobs applies to openai_chat endpoints (sglang_generate returns output_ids)")
         return self
+
+    @property
+    def allowed_finish_reasons(self) -> list[str]:
+        """What validation accepts: `validation.allowed_finish_reasons`, plus "length" when generate keeps
+        truncated answers (`endpoint.keep_length_truncated`), so keeping them cannot fail them silently later."""
+        allowed = list(self.validation.allowed_finish_reasons)
+        if self.endpoint.keep_length_truncated and "length" not in allowed:
+            allowed.append("length")
+        return allowed
 
     @property
     def extract_model_path(self) -> Path:
@@ -319,7 +349,7 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         data["run_dir"] = fix(data["run_dir"])
     if isinstance(data.get("datasets"), list):
         data["datasets"] = [{**d, "path": fix(d.get("path"))} if isinstance(d, dict) else d for d in data["datasets"]]
-    for section, key in (("tokenizer", "path"), ("extract", "model_path")):
+    for section, key in (("tokenizer", "path"), ("extract", "model_path"), ("reconstruct", "repair_from")):
         if isinstance(data.get(section), dict) and data[section].get(key):
             data[section] = {**data[section], key: fix(data[section][key])}
     return data

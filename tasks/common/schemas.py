@@ -79,6 +79,7 @@ TOKENS = pa.schema(
         pa.field("completion_len", pa.int32(), nullable=False),
         pa.field("reasoning_len", pa.int32(), nullable=False),
         pa.field("completion_format", pa.string(), nullable=False),
+        pa.field("token_source", pa.string()),
     ]
 )
 
@@ -112,6 +113,7 @@ VALIDATION = pa.schema(
         pa.field("prompt_delta_tokens", pa.int64()),
         pa.field("prompt_match", pa.string()),
         pa.field("boundary_whitespace", pa.bool_()),
+        pa.field("token_source", pa.string()),
     ]
 )
 

@@ -705,7 +705,7 @@ def _generate_locked(
     summary = GenerateSummary(parts=[s.summary for s in states])
     pending = [s for s in states if not s.finalized]
     if pending:
-        if ep.kind == "sglang_generate" and tokenizer is None:
+        if (ep.kind == "sglang_generate" or ep.logprobs) and tokenizer is None:
             tokenizer = load_tokenizer(cfg.tokenizer)
         writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s)
         journal = AppendLog(journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s)

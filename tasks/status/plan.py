@@ -21,7 +21,7 @@ from tasks.common.shards import (
     recipe_digest,
 )
 from tasks.reconstruct.completion_format import CompletionFormat
-from tasks.reconstruct.stage import tokens_recipe
+from tasks.reconstruct.stage import repair_table, tokens_recipe
 from tasks.status.sending import parts_to_send
 from tasks.validate.checks import validation_recipe
 
@@ -33,7 +33,7 @@ def generate_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
 
 
 def tokens_todo(cfg: PipelineConfig, fmt: CompletionFormat, parts: list[int]) -> list[int]:
-    recipe = tokens_recipe(cfg, fmt)
+    recipe = tokens_recipe(cfg, fmt, repair_table(cfg, fmt))
     return [p for p in parts if not is_current(ref := PartRef(cfg.run_dir, "tokens", p), expected_build(ref, recipe))]
 
 
@@ -55,7 +55,7 @@ def recipe_digests(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, str 
     from tasks.extract.stage import hidden_states_recipe
 
     return {
-        "tokens": recipe_digest(tokens_recipe(cfg, fmt)),
+        "tokens": recipe_digest(tokens_recipe(cfg, fmt, repair_table(cfg, fmt))),
         "validation": recipe_digest(validation_recipe(cfg, fmt)),
         "hidden_states": recipe_digest(hidden_states_recipe(cfg)),
     }

@@ -91,6 +91,9 @@ def overview_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if prompt:
             row["prompt tokens exact/tol/drift"] = f"{prompt['exact']}/{prompt['within_tolerance']}/{prompt['drift']}"
         row["excluded"] = str(s.get("excluded", s["fail"]))
+        sources = s.get("token_sources")
+        if sources:
+            row["ids model-exact/re-encoded"] = f"{sources.get('model', 0)}/{sources.get('reencoded', 0)}"
         row["serving"] = ("MIXED: " if s["mixed_serving"] else "") + ", ".join(
             f"{k} ({v})" for k, v in s["providers"].items()
         )
