@@ -119,14 +119,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(stats["estimate"]["text"])
         return ExitCode.OK
     print_run_summary(stats, time.monotonic() - started, "eagle3-datagen run")
+    _announce_pending(stats["generate"]["total"].get("spend") or {}, stats["config"]["endpoint"]["account_settlement"])
     _announce_quarantine(Path(stats["run_dir"]))
     if stats.get("status", {}).get("problems"):
         print("stages disagree: " + "; ".join(stats["status"]["problems"]), file=sys.stderr)
     if stats.get("stopped") == "budget":
         from tasks.generate.engine import budget_stop_message
 
-        spent = stats["generate"]["total"]["run_dir_spent_usd"]
-        print(budget_stop_message(spent, stats["config"]["endpoint"]["max_cost_usd"]), file=sys.stderr)
+        total = stats["generate"]["total"]
+        cap = stats["config"]["endpoint"]["max_cost_usd"]
+        print(budget_stop_message(total["run_dir_counted_usd"], cap, total["run_dir_pending_usd"]), file=sys.stderr)
         return EXIT_BUDGET
     return ExitCode.OK
 
@@ -244,7 +246,8 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
     console.print(
         f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
         f"({prep['quarantine_path']})\n"
-        f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
+        f"requests sent {gen['requests_sent']}, billed ${gen['cost_usd'] or 0:.4f}, "
+        f"pending ${gen.get('pending_usd') or 0:.4f}; "
         f"report: {stats['run_dir']}/reports/report.html"
     )
 
@@ -256,6 +259,14 @@ EXIT_GATE = ExitCode.GATES
 """More samples failed than `validation.max_failed_rate` allows (generate); the failed ids are in the status file."""
 EXIT_INCONSISTENT = ExitCode.STAGES_DISAGREE
 """`status`: stages disagree (stale parts, samples missing from a stage); a rerun rebuilds them."""
+
+
+def _announce_pending(spend: dict[str, Any], account_settlement: str) -> None:
+    from tasks.generate.settlement import pending_notice
+
+    notice = pending_notice(spend, account_settlement)
+    if notice:
+        print(notice, file=sys.stderr)
 
 
 def _announce_quarantine(run_dir: Path) -> None:
@@ -350,6 +361,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     rows = dataset_rows(cfg.run_dir, parts)
     print_dataset_table(rows)
     print(json.dumps(summary.total(), default=str), flush=True)
+    _announce_pending(summary.spend, cfg.endpoint.account_settlement)
     _announce_quarantine(cfg.run_dir)
     if summary.stopped != "budget":
         from tasks.status.report import failed_rate_violations
@@ -361,7 +373,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         return EXIT_GATE if crossed else 0
     print(
-        f"{budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd)} In {cfg.run_dir}, e.g.: "
+        f"{budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)} "
+        f"In {cfg.run_dir}, e.g.: "
         f"eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
         file=sys.stderr,
     )

@@ -36,6 +36,7 @@ from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
 from tasks.generate.ledger import LEDGER_DIR
 from tasks.generate.preflight import wait_for_endpoint
+from tasks.generate.settlement import pending_notice
 from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
@@ -114,7 +115,12 @@ def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[s
     out = summary.to_dict()
     out["datasets"] = publish_generate_summary(cfg, parts)
     if summary.stopped == "budget":
-        get_run_logger().warning(budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd))
+        get_run_logger().warning(
+            budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)
+        )
+    notice = pending_notice(summary.spend, cfg.endpoint.account_settlement)
+    if notice:
+        get_run_logger().warning(notice)
     return out
 
 
@@ -222,7 +228,10 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     """A run the cost cap ended is not a failure: it completes, named so the UI and automations can tell."""
     generate = stats.get("generate", stats)
     if _budget_stopped(generate):
-        message = budget_stop_message(generate["total"]["run_dir_spent_usd"], cfg.endpoint.max_cost_usd)
+        total = generate["total"]
+        message = budget_stop_message(
+            total["run_dir_counted_usd"], cfg.endpoint.max_cost_usd, total["run_dir_pending_usd"]
+        )
         return Completed(message=message, name="BudgetStopped", data=stats)
     return stats
 

@@ -49,6 +49,8 @@ def test_an_outage_longer_than_outage_abort_s_stops_the_run_without_failing_samp
 def test_a_short_outage_is_ridden_out_beyond_max_attempts(
     tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
+    """One attempt allowed per sample, and every first attempt refused: refused (never sent) attempts are free,
+    at $0, and while the endpoint is down the breaker sends nothing but probes and one trial request."""
     port = free_port()
     write_prompts(tmp_path, [question("blip", i) for i in range(SAMPLES)])
     cfg = make_cfg(
@@ -56,11 +58,13 @@ def test_a_short_outage_is_ridden_out_beyond_max_attempts(
         f"http://127.0.0.1:{port}",
         tokenizer_dir,
         "chat",
-        max_attempts=2,
+        max_attempts=1,
         backoff_base_s=0.05,
         backoff_max_s=0.2,
         outage_grace_s=0.0,
         outage_abort_s=60.0,
+        outage_probe_min_s=0.1,
+        outage_probe_max_s=0.4,
     )
     server = SimulatorServer(tokenizer_dir, SimConfig(), port=port)
     comes_back = threading.Timer(1.0, server.start)
@@ -73,7 +77,10 @@ def test_a_short_outage_is_ridden_out_beyond_max_attempts(
     got = responses(tmp_path)
     assert summary["done"] == SAMPLES and {r["status"] for r in got.values()} == {"done"}
     assert max(r["attempts"] for r in got.values()) > cfg.endpoint.max_attempts, "refused attempts were not free"
-    assert summary["retries_by_reason"].get("connection", 0) > 0
+    assert summary["retries_by_reason"].get("connect", 0) > 0 and summary["outages"] == 1
+    spend = summary["spend"]
+    assert spend["pending_attempts"] == 0 and spend["pending_usd"] == 0.0
+    assert 0 < spend["unsent_attempts"] <= SAMPLES + 2, "the down endpoint was sent more than one try per sample"
     assert chunk_paths(tmp_path, 0) == []
 
 
