@@ -521,7 +521,10 @@ async def _stream(
     state.by_status["200"] += 1
     # The keep-alive comment and the first token go out as generation starts; the rest once it is done.
     early = 2 if source.deltas and len(frames) > 1 and frames[1] == source.deltas[0] else 1
-    await response.write("".join(frames[:early]).encode())
+    try:
+        await response.write("".join(frames[:early]).encode())
+    except ConnectionResetError:  # the client left before generation started: nothing to bill
+        return response
     frames = frames[early:]
     await _generating(state, admitted, meta, prompt_tokens, billed, streamed=True)
     if admitted.rule is not None and kind == "hang":
@@ -537,9 +540,15 @@ async def _stream(
         except asyncio.CancelledError:
             _bill_cut(state, admitted, meta, prompt_tokens, billed, True, sent / len(frames))
             raise
+        except ConnectionResetError:
+            _bill_cut(state, admitted, meta, prompt_tokens, billed, True, sent / len(frames))
+            return response
         frames = frames[-1:]
     _record(state, admitted, meta, prompt_tokens, billed, streamed=True)
-    await response.write("".join(frames).encode())
+    try:
+        await response.write("".join(frames).encode())
+    except ConnectionResetError:  # billed above: the answer was generated, the client left before reading it
+        return response
     if kind == "midstream_reset":
         _abort(request, rst=True)
         return response

@@ -117,9 +117,9 @@ class EndpointConfig(StrictModel):
     outage_grace_s: float = Field(
         default=30.0,
         ge=0,
-        description="Deprecated, accepted for old configs and not used: a transport failure (refused, reset, "
-        "timeout, 502-504) now never uses up a sample's attempt unless another request succeeded after it was "
-        "sent, whatever the timings; outage_abort_s alone bounds an outage.",
+        description="Deprecated, accepted for old configs and not used: while the endpoint as a whole is down "
+        "(the circuit breaker: outage_probe_min_s / outage_probe_max_s) no request is sent and no sample uses up "
+        "an attempt, whatever the timings; outage_abort_s alone bounds an outage.",
     )
     outage_abort_s: float = Field(
         default=600.0,

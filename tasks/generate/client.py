@@ -745,13 +745,13 @@ class EndpointClient:
             raise SampleFatalError("context_length", f"HTTP {status}, prompt too long (not retried): {snippet}")
         raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}")
 
-    async def lookup_cost(self, generation_id: str) -> float | None:
+    async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] = LOOKUP_DELAYS_S) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
-        retried a few times. None when it never appears: reconciliation is best-effort, never a failure."""
+        retried after each of `delays_s`. None when it never appears: reconciliation is best-effort."""
         if self._session is None:
             return None
         url = generation_lookup_url(self.cfg, generation_id)
-        for delay in (0.0, *LOOKUP_DELAYS_S):
+        for delay in (0.0, *delays_s):
             if delay:
                 await asyncio.sleep(delay)
             try:

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from tasks.generate.client import Budget, EndpointClient
 
 LOOKUP_CONCURRENCY = 256
+# Before a run sends anything, what a killed run left has had time to be indexed: one retry, not a 15 s wait on
+# ids the provider never recorded. At a run's end its own cut requests may still be indexing.
+LOOKUP_BEFORE_RUN_S = (1.0,)
+LOOKUP_AFTER_RUN_S = (0.5, 1.0, 2.0, 4.0)
 ACCOUNT_POLL_S = 0.5
 # Account usage is a float the provider rounds: differences this small (absolute, or relative to what is known
 # billed in the window) are rounding, not another user of the key.
@@ -136,6 +140,7 @@ class Settler:
         self.settled_cost_usd = 0.0
         self.settled_attempts = 0
         self._account_started = False
+        self._not_found: set[str] = set()
 
     @property
     def by_generation(self) -> bool:
@@ -148,7 +153,7 @@ class Settler:
 
     async def before_run(self, sending: bool) -> None:
         """What earlier (killed) runs left pending, then this run's opening account reading."""
-        await self._settle_by_generation()
+        await self._settle_by_generation(LOOKUP_BEFORE_RUN_S)
         if self.by_account and (sending or self.ledger.totals().pending_attempts):
             self._account_started = await self._account_reading("start")
             await self._settle_by_account()
@@ -157,7 +162,7 @@ class Settler:
         """Once nothing is in flight: this run's pending attempts (read back from its flushed segment)."""
         self.writer.log.flush()
         self.ledger = SpendLedger.load(run_dir)
-        await self._settle_by_generation()
+        await self._settle_by_generation(LOOKUP_AFTER_RUN_S)
         if self.by_account and self._account_started:
             await self._account_reading("end")
             await self._settle_by_account()
@@ -173,20 +178,22 @@ class Settler:
         if self.budget is not None:
             self.budget.spent_usd -= worst - cost
 
-    async def _settle_by_generation(self) -> None:
+    async def _settle_by_generation(self, delays_s: tuple[float, ...]) -> None:
+        """Every pending attempt with a generation id not already looked up in vain by this run."""
         if not self.by_generation:
             return
-        pending = self.ledger.pending_with_ids()
+        pending = [p for p in self.ledger.pending_with_ids() if p[0] not in self._not_found]
         if not pending:
             return
         gate = asyncio.Semaphore(LOOKUP_CONCURRENCY)
 
         async def one(generation_id: str) -> float | None:
             async with gate:
-                return await self.client.lookup_cost(generation_id)
+                return await self.client.lookup_cost(generation_id, delays_s)
 
         costs = await asyncio.gather(*(one(gid) for _, gid, _ in pending))
         settled = [(uid, cost) for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is not None]
+        self._not_found.update(uid for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is None)
         worst = sum(self.ledger.attempts[uid].worst_usd for uid, _ in settled)
         for uid, cost in settled:
             self._record(uid, cost, "generation")
