@@ -143,13 +143,19 @@ def check_ledger_against_provider(run_dir: Path, sim: SimulatorServer) -> SpendL
         assert cost == pytest.approx(by_id[gen_id], abs=1e-12), gen_id
     unseen = [cost for gen_id, cost in by_id.items() if gen_id not in known]
     totals = ledger.totals()
-    assert totals.pending_attempts >= len(unseen)
-    assert sum(unseen) <= totals.pending_usd + 1e-12
-    assert sum(by_id.values()) <= totals.counted_usd + 1e-12
+    # Bills without a known generation: still pending at worst case, or settled from the key's account.
+    by_account = [a for a in ledger.attempts.values() if a.settled_by == "account" and not a.generation_id]
+    assert totals.pending_attempts + len(by_account) >= len(unseen)
+    assert sum(unseen) <= totals.pending_usd + sum(a.billed_usd for a in by_account) + 1e-9
+    assert sum(by_id.values()) <= totals.counted_usd + 1e-9
     return ledger
 
 
 def test_ten_kill_9s_keep_every_paid_answer_and_count_every_cent(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Ten SIGKILLs with the window full, streaming and not by turns (done-when 2 of issue 19, scaled down; the
+    2,000-in-flight version is in test_outage_money.py): no durable answer is bought again, the cap is never
+    crossed, and with key settlement on the next run settles what each kill cut (streams by their generation ids,
+    the rest from the key's usage), so the final figure is the bill (main's client: +15.7% for good)."""
     rng = random.Random(SEED)
     data = tmp_path / "prompts.jsonl"
     write_dataset(data)
@@ -157,16 +163,19 @@ def test_ten_kill_9s_keep_every_paid_answer_and_count_every_cent(tmp_path: Path,
     run_dir = tmp_path / "run"
     lost_per_kill: list[int] = []
     with SimulatorServer(tokenizer_dir, SIM) as sim:
-        config = write_config(tmp_path, sim, tokenizer_dir, data)
+        config = write_config(
+            tmp_path, sim, tokenizer_dir, data, account_settlement="exclusive_key", account_settle_stable_s=0.2
+        )
         kills: list[tuple[int, float, dict[str, dict[str, Any]], Counter[str]]] = []
         # The killed runs are forked from a parent that imported the CLI once (tests/cli_zygote.py): each is a
         # process of its own running the console script's `main`; the final run starts from scratch.
         with CliZygote(REPO) as zygote:
-            for _ in range(KILLS):
+            for n in range(KILLS):
                 before = len(billed(sim))
                 remaining = PROMPTS - len([r for r in durable_rows(run_dir).values() if r["status"] == "done"])
                 assert remaining > 4 * IN_FLIGHT, "the kills used up the work: raise PROMPTS"
-                forked = zygote.start(["generate", str(config), "--no-progress"], log)
+                stream = ["--set", "endpoint.stream=false"] if n % 2 else []
+                forked = zygote.start(["generate", str(config), "--no-progress", *stream], log)
                 try:
                     wait_for_billed(sim, forked, before + rng.randint(20, 90), log)
                     time.sleep(rng.uniform(0.0, 0.2))
@@ -216,10 +225,15 @@ def test_ten_kill_9s_keep_every_paid_answer_and_count_every_cent(tmp_path: Path,
         lost = [g for g in early if g not in durable_ids]
         assert lost == [], f"kill {n + 1}: answers billed {DURABLE_AFTER_S} s before it were lost: {lost[:3]}"
     # (c) ledger == provider, (d) the cap
-    assert ledger.totals().counted_usd <= CAP_USD
-    assert sum(r["cost_usd"] for r in records) <= CAP_USD
+    totals = ledger.totals()
+    provider = sum(r["cost_usd"] for r in records)
+    print(f"recorded ${totals.counted_usd:.5f} vs billed ${provider:.5f}; settled {dict(totals.settled_by)}")
+    assert totals.pending_attempts == 0 and set(totals.settled_by) == {"generation", "account"}
+    assert totals.counted_usd == pytest.approx(provider, rel=0.02)
+    assert totals.counted_usd <= CAP_USD and provider <= CAP_USD
     total = json.loads(final.stdout.strip().splitlines()[-1])
-    assert total["run_dir_counted_usd"] == pytest.approx(ledger.totals().counted_usd)
+    assert total["run_dir_counted_usd"] == pytest.approx(totals.counted_usd)
+    assert "pending:" not in final.stderr
 
 
 # --- capped reruns and the rerun policy (in-process: the same engine, faster) ---------------------------------

@@ -559,8 +559,7 @@ async def _generate_async(
         await settler.before_run(sending=any(s.todo for s in states))
         prior = settler.ledger.totals()
         client.budget = settler.budget = Budget(cfg.endpoint.max_cost_usd, prior.counted_usd)
-        settler.settled_worst_usd = settler.settled_cost_usd = 0.0
-        settler.settled_attempts = 0
+        settler.count_from_here()
         run = _Run(cfg, states, client, journal, ledger, prior, settler)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
         work = run.work()

@@ -142,6 +142,11 @@ class Settler:
         self._account_started = False
         self._not_found: set[str] = set()
 
+    def count_from_here(self) -> None:
+        """The settled_* counters start over: what was settled before the run's budget is in its prior totals."""
+        self.settled_worst_usd = self.settled_cost_usd = 0.0
+        self.settled_attempts = 0
+
     @property
     def by_generation(self) -> bool:
         ep = self.cfg.endpoint
