@@ -57,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
     parser.add_argument("--batch-size", type=int, default=16, help="--model-backend: prompts decoded together")
     parser.add_argument("--torch-threads", type=int, default=1, help="--model-backend: intra-op threads")
     parser.add_argument("--model-name", help="the model name the server answers to and prices (models listing)")
+    parser.add_argument(
+        "--billing-file",
+        type=Path,
+        help="keep the bill (and generation records) in this file; a simulator restarted on it continues it",
+    )
+    parser.add_argument("--account-usage-lag-s", type=float, help="GET /api/v1/key usage lags the bill by this")
+    parser.add_argument("--key-limit-usd", type=float, help="the key's credit limit: completions get 402 past it")
     args = parser.parse_args(argv)
     data = json.loads(args.config_json.read_text()) if args.config_json else {}
     flags = {
@@ -68,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
         "latency_lognormal": tuple(args.latency_lognormal) if args.latency_lognormal else None,
         "required_api_key": args.required_api_key,
         "model_name": args.model_name,
+        "account_usage_lag_s": args.account_usage_lag_s,
+        "key_limit_usd": args.key_limit_usd,
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.auth_fail_all:
@@ -129,7 +138,15 @@ def main(argv: list[str] | None = None) -> None:
             batch_size=args.batch_size,
             torch_threads=args.torch_threads,
         )
-    serve_forever(args.model_dir, config, args.host, args.port, args.port_file, responder=responder)
+    serve_forever(
+        args.model_dir,
+        config,
+        args.host,
+        args.port,
+        args.port_file,
+        responder=responder,
+        billing_file=args.billing_file,
+    )
 
 
 if __name__ == "__main__":

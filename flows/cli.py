@@ -81,14 +81,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(stats["estimate"]["text"])
         return ExitCode.OK
     print_run_summary(stats, time.monotonic() - started, "eagle3-datagen run")
+    _announce_pending(stats["generate"]["total"].get("spend") or {}, stats["config"]["endpoint"]["account_settlement"])
     _announce_quarantine(Path(stats["run_dir"]))
     if stats.get("status", {}).get("problems"):
         print("stages disagree: " + "; ".join(stats["status"]["problems"]), file=sys.stderr)
     if stats.get("stopped") == "budget":
         from tasks.generate.engine import budget_stop_message
 
-        spent = stats["generate"]["total"]["run_dir_spent_usd"]
-        print(budget_stop_message(spent, stats["config"]["endpoint"]["max_cost_usd"]), file=sys.stderr)
+        total = stats["generate"]["total"]
+        cap = stats["config"]["endpoint"]["max_cost_usd"]
+        print(budget_stop_message(total["run_dir_counted_usd"], cap, total["run_dir_pending_usd"]), file=sys.stderr)
         return EXIT_BUDGET
     return ExitCode.OK
 
@@ -192,6 +194,14 @@ EXIT_INCONSISTENT = ExitCode.STAGES_DISAGREE
 """`status`: stages disagree (stale parts, samples missing from a stage); a rerun rebuilds them."""
 
 
+def _announce_pending(spend: dict[str, Any], account_settlement: str) -> None:
+    from tasks.generate.settlement import pending_notice
+
+    notice = pending_notice(spend, account_settlement)
+    if notice:
+        print(notice, file=sys.stderr)
+
+
 def _announce_quarantine(run_dir: Path) -> None:
     from tasks.status.report import quarantine_notice
 
@@ -286,6 +296,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     rows = dataset_rows(cfg.run_dir, parts)
     print_dataset_table(rows)
     print(json.dumps(summary.total(), default=str), flush=True)
+    _announce_pending(summary.spend, cfg.endpoint.account_settlement)
     _announce_quarantine(cfg.run_dir)
     if summary.stopped != "budget":
         from tasks.validate.failure_gates import responses_gate_violations
@@ -295,7 +306,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"error: {line} (`eagle3-datagen status {cfg.run_dir}` lists every failed sample)", file=sys.stderr)
         return EXIT_GATE if crossed else 0
     print(
-        f"{budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd)} In {cfg.run_dir}, e.g.: "
+        f"{budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)} "
+        f"In {cfg.run_dir}, e.g.: "
         f"eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
         file=sys.stderr,
     )

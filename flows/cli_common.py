@@ -115,6 +115,7 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
     console.print(
         f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
         f"({prep['quarantine_path']})\n"
-        f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
+        f"requests sent {gen['requests_sent']}, billed ${gen['cost_usd'] or 0:.4f}, "
+        f"pending ${gen.get('pending_usd') or 0:.4f}; "
         f"report: {stats['run_dir']}/reports/report.html"
     )

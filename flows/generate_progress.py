@@ -68,8 +68,8 @@ def log_line(s: ProgressSnapshot) -> str:
         f"failed {s.failed:,}" + (f" ({format_counts(s.failures_by_reason, 5)})" if s.failures_by_reason else ""),
         f"retries {s.retries:,}" + (f" ({format_counts(s.retries_by_reason, 5)})" if s.retries_by_reason else ""),
         f"in flight {s.in_flight:,}/{s.window:,}",
-        f"spent {format_usd(s.spent_usd)} run-dir total ({format_usd(s.cost_usd)} this run, "
-        f"{format_usd(s.pending_usd)} pending)",
+        f"billed {format_usd(s.spent_usd)} run-dir total ({format_usd(s.cost_usd)} this run), "
+        f"pending {format_usd(s.pending_usd)}",
     ]
     if s.endpoint_down_since_s is not None:
         parts.append(f"endpoint down for {format_duration(s.elapsed_s - s.endpoint_down_since_s)}")

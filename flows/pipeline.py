@@ -42,6 +42,7 @@ from tasks.generate.endpoint_wait import wait_for_endpoint
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
 from tasks.generate.progress import Listener
+from tasks.generate.settlement import pending_notice
 from tasks.generate.store_sync import LogMirror
 from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
@@ -129,7 +130,12 @@ def generate_task(
     out = summary.to_dict()
     out["datasets"] = publish_generate_summary(cfg, parts)
     if summary.stopped == "budget":
-        get_run_logger().warning(budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd))
+        get_run_logger().warning(
+            budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)
+        )
+    notice = pending_notice(summary.spend, cfg.endpoint.account_settlement)
+    if notice:
+        get_run_logger().warning(notice)
     return out
 
 
@@ -249,7 +255,10 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     its message says so, and `mark_budget_stopped` tags it and tells automations."""
     generate = stats.get("generate", stats)
     if _budget_stopped(generate):
-        message = budget_stop_message(generate["total"]["run_dir_spent_usd"], cfg.endpoint.max_cost_usd)
+        total = generate["total"]
+        message = budget_stop_message(
+            total["run_dir_counted_usd"], cfg.endpoint.max_cost_usd, total["run_dir_pending_usd"]
+        )
         mark_budget_stopped(message)
         return Completed(message=f"BudgetStopped: {message}", data=stats)
     return stats

@@ -70,7 +70,7 @@ def test_progress_lines_from_the_real_engine_carry_retries_by_reason_and_failure
     assert (
         f"retries {sum(total['retries_by_reason'].values())} (http_503 {total['retries_by_reason']['http_503']}" in last
     )
-    assert "in flight 0/" in last and "spent $" in last and "pending" in last
+    assert "in flight 0/" in last and "billed $" in last and "pending $" in last
 
 
 def test_the_line_names_an_outage_and_the_interval_is_steady(logger: logging.Logger) -> None:

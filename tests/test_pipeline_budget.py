@@ -63,7 +63,7 @@ def test_budget_stop_is_clean_and_resumable(tmp_path: Path, tiny_model_dir: Path
         stats = state.result()
         total = stats["generate"]["total"]
         assert total["stopped"] == "budget"
-        assert 0 < total["run_dir_spent_usd"] <= CAP_USD
+        assert 0 < total["run_dir_counted_usd"] <= CAP_USD and total["run_dir_pending_usd"] == 0.0
         assert not (run_dir / "tokens").exists(), "stages after generate must not run on a budget stop"
 
         parts = stats["prepare"]["parts"]

@@ -226,7 +226,7 @@ def run_dir(tmp_path: Path) -> Path:
         ("b2", "beta", 1, 0.125),
     ]:
         uid = ledger.sent(sid, dataset, part, 0.004)
-        ledger.settled(uid, cost, None, None)
+        ledger.ended(uid, "pending" if cost is None else "answered", cost, None, None)
     ledger.close()
     return tmp_path
 
@@ -244,8 +244,8 @@ def test_dataset_rows_merge_finished_parts_and_chunks(run_dir: Path) -> None:
         "prompt_tokens": 30,
         "completion_tokens": 300,
         "reasoning_tokens": 120,
-        "cost_usd": pytest.approx(0.034),
-        "unknown_usd": pytest.approx(0.004),
+        "billed_usd": pytest.approx(0.03),
+        "pending_usd": pytest.approx(0.004),
         "billed_cost_usd": pytest.approx(0.011),
         "providers": "A 100%",
         "quantizations": "fp8 100%",
@@ -263,8 +263,8 @@ def test_dataset_rows_merge_finished_parts_and_chunks(run_dir: Path) -> None:
         "prompt_tokens": 15,
         "completion_tokens": 174,
         "reasoning_tokens": 0,
-        "cost_usd": pytest.approx(0.879),
-        "unknown_usd": pytest.approx(0.004),
+        "billed_usd": pytest.approx(0.875),
+        "pending_usd": pytest.approx(0.004),
         "billed_cost_usd": None,
         "providers": "B 67%, A 33%",
         "quantizations": "bf16 100%",
@@ -285,8 +285,8 @@ def test_dataset_rows_of_a_part_not_started_and_of_no_parts(tmp_path: Path) -> N
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "reasoning_tokens": 0,
-            "cost_usd": 0.0,
-            "unknown_usd": 0.0,
+            "billed_usd": 0.0,
+            "pending_usd": 0.0,
             "billed_cost_usd": None,
             "providers": "-",
             "quantizations": "-",

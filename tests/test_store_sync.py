@@ -81,7 +81,7 @@ def test_a_dead_hosts_spend_counts_against_the_cap_on_the_next_host(tmp_path: Pa
     earlier segment is kept, and a copy it holds whole is not fetched again."""
     a, b = host(tmp_path, "a"), host(tmp_path, "b")
     writer = LedgerWriter(a.local_run_dir, group_commit_s=0.2)
-    writer.settled(writer.sent("s1", "ds", 0, 0.5), 0.25, "gen-1", None)
+    writer.ended(writer.sent("s1", "ds", 0, 0.5), "answered", 0.25, "gen-1", None)
     writer.sent("s2", "ds", 0, 0.5)  # in flight when the host died
     writer.log.flush()
     LogMirror(a, every_s=60).push()  # the last interval's push; the host dies before `closed`
@@ -93,7 +93,7 @@ def test_a_dead_hosts_spend_counts_against_the_cap_on_the_next_host(tmp_path: Pa
     mirror = LogMirror(b, every_s=60)
     assert mirror.pull() == {"ledgers": 1, "journals": 0}
     totals = SpendLedger.load(b.local_run_dir).totals()
-    assert (totals.billed_usd, totals.unknown_usd, totals.attempts) == (0.25, 0.625, 3)
+    assert (totals.billed_usd, totals.pending_usd, totals.attempts) == (0.25, 0.625, 3)
     assert mirror.pull() == {"ledgers": 0, "journals": 0}
     writer.close()
 
@@ -103,7 +103,7 @@ def test_a_closed_ledger_segment_becomes_one_object_read_back_the_same(tmp_path:
     mirror = LogMirror(a, every_s=60)
     writer = LedgerWriter(a.local_run_dir, group_commit_s=0.2)
     for i in range(3):
-        writer.settled(writer.sent(f"s{i}", "ds", 0, 0.5), 0.1, f"gen-{i}", None)
+        writer.ended(writer.sent(f"s{i}", "ds", 0, 0.5), "answered", 0.1, f"gen-{i}", None)
         writer.log.flush()
         mirror.push()
     writer.close()

@@ -91,7 +91,13 @@ class EndpointConfig(StrictModel):
     price_completion_usd_per_mtok: float = Field(default=0.0, ge=0)
     commit_every_samples: int = Field(default=256, ge=1)
     commit_every_s: float = Field(default=10.0, gt=0)
-    stream: bool = Field(default=False, description="openai_chat: Server-Sent Events (usage in the final chunk).")
+    stream: bool = Field(
+        default=True,
+        description="openai_chat: Server-Sent Events (usage in the final chunk), the default there (unset: true for "
+        "openai_chat, false for sglang_generate). The generation id arrives with the first chunk, so an answer cut "
+        "off later can be settled from the provider's records, and a cancelled stream stops billing where the "
+        "provider honours cancellation. false: one JSON body per request.",
+    )
     stream_idle_timeout_s: float = Field(
         default=300.0, gt=0, description="Streaming: a gap this long between two chunks is a timeout."
     )
@@ -118,9 +124,9 @@ class EndpointConfig(StrictModel):
     outage_grace_s: float = Field(
         default=30.0,
         ge=0,
-        description="Deprecated, accepted for old configs and not used: a transport failure (refused, reset, "
-        "timeout, 502-504) now never uses up a sample's attempt unless another request succeeded after it was "
-        "sent, whatever the timings; outage_abort_s alone bounds an outage.",
+        description="Deprecated, accepted for old configs and not used: while the endpoint as a whole is down "
+        "(the circuit breaker: outage_probe_min_s / outage_probe_max_s) no request is sent and no sample uses up "
+        "an attempt, whatever the timings; outage_abort_s alone bounds an outage.",
     )
     outage_abort_s: float = Field(
         default=600.0,
@@ -128,6 +134,40 @@ class EndpointConfig(StrictModel):
         description="After this long without any successful answer the run stops, resumably (EndpointUnavailable"
         "Error: the CLI exits 4; Prefect does not retry the task, the window is used up); nothing is marked "
         "failed for the outage. The pre-flight endpoint probe waits the same window.",
+    )
+    outage_probe_min_s: float = Field(
+        default=0.5, gt=0, description="While the endpoint is down: the first liveness probe's delay (it doubles)."
+    )
+    outage_probe_max_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="While the endpoint is down no request is sent; one probe at a time decides when sending "
+        "resumes, backing off to this interval.",
+    )
+    settle_pending: bool = Field(
+        default=True,
+        description="openai_chat with prices: attempts that ended pending with a generation id (a cut stream, a "
+        "kill) are settled from GET /api/v1/generation?id= at the start and end of each run. Off: they stay at "
+        "their worst case until the account settles them.",
+    )
+    account_settlement: Literal["off", "exclusive_key"] = Field(
+        default="off",
+        description="exclusive_key: the API key is used by this run directory alone while it runs, so the key's "
+        "usage (GET /api/v1/key) before and after a run, minus what is known billed, is what its pending attempts "
+        "cost; they are settled from that difference. off (a shared key): pending attempts stay at their worst "
+        "case, counted against the cap, and their amount is printed.",
+    )
+    account_settle_stable_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="exclusive_key: the key's usage must stay unchanged this long (and cover every answer billed "
+        "so far) before a reading counts; longer than the provider's usage update interval.",
+    )
+    account_settle_wait_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="exclusive_key: how long a run waits, at its start and end, for the key's usage to settle; "
+        "past it the reading is kept but settles nothing, and pending attempts stay at worst case.",
     )
     retry_failed: Literal["transient", "all"] = Field(
         default="transient",
@@ -142,6 +182,14 @@ class EndpointConfig(StrictModel):
         description="Journaled answers and spend records are fsynced at least this often (what a machine crash can "
         "lose); they reach the kernel every 20 ms, so a kill -9 loses only what was in flight or just received.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_default(cls, data: Any) -> Any:
+        """Streaming is the default of openai_chat only: SGLang's /generate answers in one body."""
+        if isinstance(data, dict) and data.get("stream") is None:
+            data = {**data, "stream": data.get("kind", "openai_chat") == "openai_chat"}
+        return data
 
     @field_validator("base_url")
     @classmethod
