@@ -200,7 +200,11 @@ def test_a_host_killed_mid_generate_is_crashed_by_prefect_and_the_next_run_buys_
         firsts.setdefault(record["key"], record)
     durable = [r for r in records if r["billed_at"] < killed_at - DURABLE_AFTER_S]
     durable_bought_again = [r for r in bought_again if r["billed_at"] < killed_at - DURABLE_AFTER_S]
-    settled = {a.generation_id: a.counted_usd for a in dead_host.attempts.values() if a.known and a.generation_id}
+    settled = {
+        a.generation_id: a.counted_usd
+        for a in dead_host.attempts.values()
+        if a.state in ("answered", "settled") and a.generation_id
+    }
     missing_spend = [r for r in durable if settled.get(r["id"]) != pytest.approx(r["cost_usd"], abs=1e-12)]
     everyone = _store_ledger(tmp_path / "after-rerun" / CRASH_RUN).totals()
     summary = json.loads(s3_fs(c).cat_file(f"{BUCKET}/runs/{CRASH_RUN}/run_summary.json"))["generate"]["total"]
@@ -212,8 +216,8 @@ def test_a_host_killed_mid_generate_is_crashed_by_prefect_and_the_next_run_buys_
         "bought_again_billed_before_bound": len(durable_bought_again),
         "dead_host_attempts_in_store": dead_host.totals().attempts,
         "durable_answers_missing_from_store_ledger": len(missing_spend),
-        "store_spend_usd": round(everyone.total_usd, 6),
-        "rerun_counted_spend_usd": summary["run_dir_spent_usd"],
+        "store_spend_usd": round(everyone.counted_usd, 6),
+        "rerun_counted_spend_usd": summary["run_dir_counted_usd"],
         "rerun_own_cost_usd": summary["cost_usd"],
         "crashed_after_kill_s": crashed_after_s,
         "rerun_state": final["state"]["type"],
@@ -224,8 +228,8 @@ def test_a_host_killed_mid_generate_is_crashed_by_prefect_and_the_next_run_buys_
     assert crashed_after_s <= HEARTBEAT_WINDOW_S + PERIODIC_EVALUATION_S + 10, figures
     assert durable and not durable_bought_again, f"answers older than one commit interval bought again: {figures}"
     assert not missing_spend, f"the store's ledger lacks the dead host's billed attempts: {figures}"
-    assert summary["run_dir_spent_usd"] == pytest.approx(everyone.total_usd, abs=1e-6)
-    assert summary["run_dir_spent_usd"] >= summary["cost_usd"] + sum(r["cost_usd"] for r in durable) - 1e-9
+    assert summary["run_dir_counted_usd"] == pytest.approx(everyone.counted_usd, abs=1e-6)
+    assert summary["run_dir_counted_usd"] >= summary["cost_usd"] + sum(r["cost_usd"] for r in durable) - 1e-9
     fs = s3_fs(c)
     responses = _remote_ids(fs, "responses", CRASH_RUN)
     assert len(responses) == len(set(responses)) == len(firsts), "every sample once, each billed sample kept"
