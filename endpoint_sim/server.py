@@ -269,15 +269,25 @@ async def _admit(
     prompt_ids: tuple[int, ...],
     seed: int | None,
     limit: int | None,
+    routing: Any = None,
 ) -> web.Response | Admitted:
     """What both routes do once a request parsed: count the attempt, apply auth, sleep the injected latency,
-    then either answer with the scheduled failure (a response) or draw the sample and cut it at the limit."""
+    then either answer with the scheduled failure (a response) or draw the sample and cut it at the limit.
+    `routing` is the request's OpenRouter `provider` object, for a responder serving several providers."""
     started = time.perf_counter()
     key = state.responder.key(prompt_ids, seed)
     attempt = state.count(route, key)
     auth = _auth_error(state.config, request)
     if auth is not None:
         return state.respond(401, _error(401, auth))
+    pick = getattr(state.responder, "pick", None)  # endpoint_sim.providers.ProviderPool
+    sample_args: tuple[Any, ...] = (prompt_ids, seed, key)
+    if pick is not None:
+        try:
+            pick(key, routing)
+        except LookupError as exc:
+            return state.respond(404, _error(404, str(exc)))
+        sample_args = (*sample_args, routing)
     delay = state.latency(key, attempt)
     if delay > 0:
         await asyncio.sleep(delay)
@@ -287,9 +297,9 @@ async def _admit(
         if rule.kind in _RESPONSE_KINDS:
             return _failure_response(state, request, rule, attempt, len(prompt_ids))
     if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: a real decode, off the loop
-        sample = await asyncio.to_thread(state.responder.sample, prompt_ids, seed, key)
+        sample = await asyncio.to_thread(state.responder.sample, *sample_args)
     else:
-        sample = state.responder.sample(prompt_ids, seed, key)
+        sample = state.responder.sample(*sample_args)
     ids, finish = _truncate(sample, limit)
     return Admitted(key, attempt, sample, ids, finish, rule, started, delay)
 
@@ -376,7 +386,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return state.respond(400, _error(400, str(exc)))
     responder = state.responder
     prompt_ids = responder.prompt_ids_for_messages(messages)
-    admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens)
+    admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens, body.get("provider"))
     if isinstance(admitted, web.Response):
         return admitted
     cfg = state.config

@@ -239,6 +239,7 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
     for row in stage_rows(Path(stats["run_dir"])):
         stages.add_row(row["stage"], str(row["parts"]), str(row["rows"]), f"{row['bytes']:,}")
     console.print(stages)
+    _print_parity(console, stats.get("scores"))
     prep = stats["prepare"]
     gen = stats["generate"]["total"]
     console.print(
@@ -247,6 +248,28 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
         f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
         f"report: {stats['run_dir']}/reports/report.html"
     )
+
+
+def _print_parity(console: Any, summary: dict[str, Any] | None) -> None:
+    """The provider-parity table (the target's scores of each provider's answers), when the run scored any."""
+    if not summary:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.scoring import provider_rows
+
+    if not console.is_terminal:  # a log file or a pipe: the table is wider than 80 columns
+        console = Console(width=200)
+    columns = ("serving", "samples", "mean NLL", "NLL vs others", "top-1 rate", "top-1 vs others", "verdict")
+    table = Table(title="provider parity (the target's scores of the answers; full table in the report)")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("serving", "verdict") else "right")
+    for row in provider_rows(summary):
+        table.add_row(*(row[c] for c in columns))
+    console.print(table)
+    for line in summary.get("named_lines", []):
+        console.print(f"[bold red]provider parity:[/bold red] {line}")
 
 
 EXIT_BUDGET = ExitCode.BUDGET
@@ -379,6 +402,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         draft_vocab_size=args.draft_vocab_size,
         target_model=Path(args.target_model).resolve() if args.target_model else None,
+        score_policy=args.score_policy,
     )
     print(json.dumps(stats, indent=2))
     return 0
@@ -406,7 +430,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
         recipes = recipe_digests(cfg, format_for(cfg, load_tokenizer(cfg.tokenizer)))
-        extract = {"extract_enabled": cfg.extract.enabled, "skip_failed_validation": cfg.extract.skip_failed_validation}
+        extract = {
+            "extract_enabled": cfg.extract.enabled,
+            "skip_failed_validation": cfg.extract.skip_failed_validation,
+            "scoring_enabled": cfg.scoring.enabled,
+        }
     status = run_status(run_dir, recipes, **extract)
     rows = status.rows()
     if args.json:
@@ -508,6 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--val-fraction", type=float, default=0.05, help="fraction of prompts held out (by hash)")
     export.add_argument("--draft-vocab-size", type=int, help="also write d2t/t2d with the trainer's own utility")
     export.add_argument("--target-model", help="target model directory (default: the one extract recorded)")
+    export.add_argument(
+        "--score-policy",
+        choices=["keep", "flag", "drop"],
+        help="samples outside the scoring bounds: keep, flag in the manifest, or drop "
+        "(default: the run's scoring.sample_policy)",
+    )
     export.set_defaults(func=cmd_export)
     status = sub.add_parser(
         "status", help="samples expected/done/failed/stale/missing per dataset and stage (exit 6: stages disagree)"
