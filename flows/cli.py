@@ -433,7 +433,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         extract = {
             "extract_enabled": cfg.extract.enabled,
             "skip_failed_validation": cfg.extract.skip_failed_validation,
-            "scoring_enabled": cfg.scoring.enabled,
+            "scoring_enabled": cfg.scores_extracted,
         }
     status = run_status(run_dir, recipes, **extract)
     rows = status.rows()

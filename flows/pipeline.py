@@ -348,7 +348,7 @@ def run_pipeline(
             stats["extract"] = run_extract(cfg, parts, store)
     if store is not None and run is not None and run.extract_deployment:
         _pull(store, "hidden_states", SCORES_STAGE)
-    scored = cfg.extract.enabled and cfg.scoring.enabled and "stopped" not in stats
+    scored = cfg.scores_extracted and "stopped" not in stats
     if scored:
         stats["scores"] = publish_scores(cfg, store)
     stats["status"] = publish_status(cfg, extracted_here=not (run is not None and run.extract_deployment))
@@ -371,7 +371,7 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
     if not extracted_here:
         recipes.pop("hidden_states")
     status = run_status(
-        cfg.run_dir, recipes, cfg.extract.enabled, cfg.extract.skip_failed_validation, cfg.scoring.enabled
+        cfg.run_dir, recipes, cfg.extract.enabled, cfg.extract.skip_failed_validation, cfg.scores_extracted
     )
     failed_file = write_failed_file(status)
     create_markdown_artifact(key="run-status", markdown=status.markdown())

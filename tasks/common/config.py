@@ -322,6 +322,12 @@ class ScoringConfig(StrictModel):
         }
 
 
+def scores_extracted_with(scoring_enabled: bool, backend: str, store_final_state: bool) -> bool:
+    """Scoring on, and a backend that can score: the sglang backend scores the stored final states after each
+    part, so an sglang run that stores aux states only has nothing to score (the report says so)."""
+    return scoring_enabled and (backend != "sglang" or store_final_state)
+
+
 class PipelineConfig(StrictModel):
     run_dir: Path
     samples_per_shard: int = Field(default=1000, ge=1)
@@ -350,16 +356,18 @@ class PipelineConfig(StrictModel):
                 "endpoint.max_cost_usd needs endpoint.price_prompt_usd_per_mtok and price_completion_usd_per_mtok: "
                 "the cap reserves each in-flight request's worst-case cost before sending it"
             )
-        if self.scoring.enabled and self.extract.backend == "sglang" and not self.extract.store_final_state:
-            raise ValueError(
-                "scoring with extract.backend sglang reads the stored final state: set extract.store_final_state "
-                "true or scoring.enabled false"
-            )
         if ep.stream and ep.kind != "openai_chat":
             raise ValueError("endpoint.stream applies to openai_chat endpoints only")
         if ep.reconcile_cost and ep.kind != "openai_chat":
             raise ValueError("endpoint.reconcile_cost reads OpenRouter's /generation records: openai_chat only")
         return self
+
+    @property
+    def scores_extracted(self) -> bool:
+        """Whether extraction scores the answers (`scores_extracted_with`)."""
+        return self.extract.enabled and scores_extracted_with(
+            self.scoring.enabled, self.extract.backend, self.extract.store_final_state
+        )
 
     @property
     def extract_model_path(self) -> Path:

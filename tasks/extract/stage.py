@@ -9,7 +9,8 @@ The model and the disk run concurrently: the main thread launches forward passes
 `HostStager` (device-to-host copy on a side stream) and then to the `ShardStreamWriter` thread, which checks
 and writes the previous batches while the next one computes.
 
-With `scoring.enabled` every part also gets a scores part (`scores.py`), written after its index part: scored in
+With `scoring.enabled` (and a backend that can score: `PipelineConfig.scores_extracted`) every part also gets a
+scores part (`scores.py`), written after its index part: scored in
 the same forward pass where the backend can (`hf`), else from the stored final states right after the part is
 written (`sglang`). A current index part whose scores are missing or stale gets them without a forward pass
 when its final states are stored; an aux-only part is extracted again.
@@ -171,7 +172,7 @@ def index_current(cfg: PipelineConfig, part: int) -> bool:
 
 def hidden_states_current(cfg: PipelineConfig, part: int) -> bool:
     """Nothing left to do for this part: its states and (with scoring on) its scores are current."""
-    return index_current(cfg, part) and (not cfg.scoring.enabled or scores_current(cfg, part))
+    return index_current(cfg, part) and (not cfg.scores_extracted or scores_current(cfg, part))
 
 
 def needs_forward_pass(cfg: PipelineConfig, part: int) -> bool:
@@ -179,7 +180,7 @@ def needs_forward_pass(cfg: PipelineConfig, part: int) -> bool:
     stores aux states only and has no scores to recount)."""
     if not index_current(cfg, part):
         return True
-    if not cfg.scoring.enabled or scores_current(cfg, part) or refloorable(cfg, part):
+    if not cfg.scores_extracted or scores_current(cfg, part) or refloorable(cfg, part):
         return False
     return not stores_final_states(cfg, part)
 
@@ -231,7 +232,7 @@ def extract_part(
     if is_current(out_ref, build):
         stats: dict[str, Any] = read_marker(out_ref)["stats"]
         if marker_is_current(stats):
-            if not cfg.scoring.enabled:
+            if not cfg.scores_extracted:
                 return stats
             scored = ensure_scores(cfg, part, lambda: score_head_for(cfg, runner))
             if scored is not None:
@@ -248,7 +249,7 @@ def extract_part(
     sequences: list[list[int]] = [r["input_ids"] for r in rows]
     lengths = [len(s) for s in sequences]
     n_tokens = sum(lengths)
-    in_pass = cfg.scoring.enabled and bool(getattr(runner, "scores_in_pass", False))
+    in_pass = cfg.scores_extracted and bool(getattr(runner, "scores_in_pass", False))
     starts = score_starts(rows) if in_pass else None
     collector = None
     if starts is not None:
@@ -329,6 +330,6 @@ def extract_part(
         head = score_head_for(cfg, runner).describe()
         datasets = [r["dataset"] for r in rows]
         return {**stats, "scores": write_scores_part(cfg, part, collector.table(datasets), "extraction", head, started)}
-    if cfg.scoring.enabled:
+    if cfg.scores_extracted:
         return {**stats, "scores": ensure_scores(cfg, part, lambda: score_head_for(cfg, runner))}
     return stats

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from tasks.common.config import scores_extracted_with
 from tasks.common.failures import failure_class
 from tasks.common.schemas import SCORES_STAGE, STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state
@@ -232,7 +233,11 @@ def run_status(
     if skip_failed_validation is None:
         skip_failed_validation = bool(extract_cfg.get("skip_failed_validation", True))
     if scoring_enabled is None:
-        scoring_enabled = bool(config.get("scoring", {}).get("enabled", False))
+        scoring_enabled = "scoring" in config and scores_extracted_with(
+            bool(config["scoring"].get("enabled", True)),
+            str(extract_cfg.get("backend", "hf")),
+            bool(extract_cfg.get("store_final_state", True)),
+        )
     stages = [s for s in STAGES if s != "hidden_states" or extract_enabled]
     if extract_enabled and scoring_enabled:
         stages.append(SCORES_STAGE)
