@@ -155,18 +155,26 @@ def pool_server(tokenizer_dir: Path) -> Any:
         yield server
 
 
-def _ask(server: SimulatorServer, text: str, routing: dict[str, Any] | None = None) -> httpx.Response:
-    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": text}]}
-    if routing is not None:
-        body["provider"] = routing
-    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+def _asker(server: SimulatorServer, client: httpx.Client) -> Any:
+    def ask(text: str, routing: dict[str, Any] | None = None) -> httpx.Response:
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        if routing is not None:
+            body["provider"] = routing
+        return client.post(f"{server.base_url}/v1/chat/completions", json=body)
+
+    return ask
 
 
 def test_simulator_routes_by_openrouter_provider_object_or_stable_hash(pool_server: SimulatorServer) -> None:
-    served = {_ask(pool_server, f"q{i}").json()["provider"] for i in range(24)}
+    with httpx.Client(timeout=30) as client:
+        _check_routing(pool_server, _asker(pool_server, client))
+
+
+def _check_routing(pool_server: SimulatorServer, _ask: Any) -> None:
+    served = {_ask(f"q{i}").json()["provider"] for i in range(24)}
     assert served == {"Alpha-Host", "beta"}, "hash routing spreads requests over both"
-    first = _ask(pool_server, "same question").json()
-    assert _ask(pool_server, "same question").json()["provider"] == first["provider"], "a rerun meets the same host"
+    first = _ask("same question").json()
+    assert _ask("same question").json()["provider"] == first["provider"], "a rerun meets the same host"
     cases: list[tuple[dict[str, Any], str]] = [
         ({"order": ["BETA", "alpha-host"]}, "beta"),
         ({"order": ["alphahost"], "allow_fallbacks": False}, "Alpha-Host"),
@@ -177,10 +185,10 @@ def test_simulator_routes_by_openrouter_provider_object_or_stable_hash(pool_serv
     ]
     for routing, expected in cases:
         for i in range(4):
-            assert _ask(pool_server, f"r{i}", routing).json()["provider"] == expected, routing
+            assert _ask(f"r{i}", routing).json()["provider"] == expected, routing
     for refused in ({"only": ["gamma"]}, {"order": ["gamma"], "allow_fallbacks": False}, {"quantizations": ["int4"]}):
-        reply = _ask(pool_server, "refused", refused)
+        reply = _ask("refused", refused)
         assert reply.status_code == 404 and "No endpoints found" in reply.json()["error"]["message"], refused
-    answer = _ask(pool_server, "q0", {"only": ["beta"]}).json()["choices"][0]["message"]
+    answer = _ask("q0", {"only": ["beta"]}).json()["choices"][0]["message"]
     alone = Responder(pool_server.model_dir, SimConfig(seed=7)).sample_for_messages([{"role": "user", "content": "q0"}])
     assert answer["content"] == alone.content, "the chosen provider's own responder answered"

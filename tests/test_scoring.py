@@ -4,6 +4,7 @@ pass when only a scoring setting changed, and are read by `status` and the expor
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,11 @@ def scores(run_dir: Path, part: int = 0) -> dict[str, dict[str, Any]]:
     return {r["sample_id"]: r for r in read_part(PartRef(run_dir, SCORES_STAGE, part)).to_pylist()}
 
 
+@functools.cache
+def reference(model_dir: Path, dtype: str) -> Any:
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+
+
 def reference_logprobs(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-vocabulary logits of an unbatched forward, log-softmax in float32: (logprobs, top-1 flags) of the
     answer tokens (from position max(1, len // 3), as `tests.test_extract.write_tokens` sets prompt_len)."""
@@ -63,8 +69,8 @@ def test_scores_equal_full_logits_computed_independently(
     stats = extract_part(cfg, 0, runner)
     assert stats["batches"] > 1 and stats["scores"]["source"] == "extraction"
     got = scores(tmp_path)
-    same = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=getattr(torch, dtype)).eval()
-    f32 = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    f32 = reference(tiny_model_dir, "float32")
+    same = reference(tiny_model_dir, dtype)
     nll_gap = []
     for sample_id, ids in samples.items():
         row = got[sample_id]

@@ -138,6 +138,7 @@ class ScoreHead:
         return cls(modules[0], modules[1], transforms=logit_transforms(config), source=f"checkpoint:{model_dir}")
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 [rows, vocab], a tensor of its own (the caller reduces it in place)."""
         logits: torch.Tensor = self.lm_head(rows.to(self.device, non_blocking=True)).float()
         for _, transform in self.transforms:
             logits = transform(logits)
@@ -177,8 +178,11 @@ class ScoreHead:
                     picked_rows = out[0] if isinstance(out, tuple) else out
                 logits = self._logits(picked_rows)
                 wanted = logits.gather(1, targets[start:end, None]).squeeze(1)
-                logprobs[start:end] = wanted - torch.logsumexp(logits, dim=1)
-                top1[start:end] = wanted >= logits.amax(dim=1)
+                peak = logits.amax(dim=1)
+                top1[start:end] = wanted >= peak
+                # log-sum-exp in place: no second [chunk, vocab] buffer (a third of the time on a CPU)
+                total = logits.sub_(peak[:, None]).exp_().sum(dim=1)
+                logprobs[start:end] = wanted - peak - total.log()
                 del logits
         return logprobs, top1
 
