@@ -10,10 +10,10 @@ The model and the disk run concurrently: the main thread launches forward passes
 and writes the previous batches while the next one computes.
 
 With `scoring.enabled` (and a backend that can score: `PipelineConfig.scores_extracted`) every part also gets a
-scores part (`scores.py`), written after its index part: scored in
-the same forward pass where the backend can (`hf`), else from the stored final states right after the part is
-written (`sglang`). A current index part whose scores are missing or stale gets them without a forward pass
-when its final states are stored; an aux-only part is extracted again.
+scores part (`scores.py`), written after its index part: scored in the same forward pass where the backend can
+(`hf`), else from the stored final states right after the part is written (`sglang`). A current index part whose
+scores are missing or stale gets them without a forward pass when its final states are stored; an aux-only part
+is extracted again.
 """
 
 from __future__ import annotations

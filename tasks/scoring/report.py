@@ -296,7 +296,7 @@ def dataset_rows(summary: Mapping[str, Any]) -> list[dict[str, str]]:
 
 def hint_yaml(hint: Mapping[str, Any] | None) -> str:
     if hint is None:
-        return "(no suggestion: fewer than two providers could be judged)"
+        return "No suggestion: fewer than two providers could be judged."
     fields = ", ".join(f"{k}: {json.dumps(v)}" for k, v in hint.items())
     return f"endpoint:\n  provider_routing: {{{fields}}}"
 
@@ -315,12 +315,16 @@ def section_markdown(summary: Mapping[str, Any], scfg: ScoringConfig) -> str:
         f"confidence {scfg.parity_confidence}; at least {scfg.parity_min_samples} samples a side; low-probability "
         f"floor {scfg.low_prob_floor}"
     )
-    lines = ["## Provider parity (the target's scores of its training data)", "", NOTE, "", _status(summary, scfg)]
-    lines += ["", *[f"- {line}" for line in summary["named_lines"]], "", settings, ""]
+    lines = ["## Provider parity (the target's scores of its training data)", "", NOTE, "", _status(summary, scfg), ""]
+    if summary["named_lines"]:
+        lines += [*[f"- {line}" for line in summary["named_lines"]], ""]
+    lines += [settings, ""]
     lines += ["### Per provider, all datasets", "", markdown_table(provider_rows(summary))]
     lines += ["### Per dataset and provider", "", markdown_table(dataset_rows(summary))]
     lines += ["### Samples outside the score bounds, by reason", "", markdown_table(summary["out_of_bounds"])]
-    lines += ["### Suggested provider routing", "", "```yaml", hint_yaml(summary["routing_hint"]), "```", ""]
+    lines += ["### Suggested provider routing", ""]
+    hint = summary["routing_hint"]
+    lines += ["```yaml", hint_yaml(hint), "```", ""] if hint is not None else [hint_yaml(hint), ""]
     return "\n".join(lines)
 
 
