@@ -287,10 +287,12 @@ async def _admit(
     prompt_ids: tuple[int, ...],
     seed: int | None,
     limit: int | None,
+    routing: Any = None,
 ) -> web.Response | Admitted:
     """What both routes do once a request parsed: count the attempt, apply auth, then either answer with the
     scheduled failure after the injected latency (a response), or draw the sample and cut it at the limit; the
-    route then spends the latency generating it (`_generating`)."""
+    route then spends the latency generating it (`_generating`). `routing` is the request's OpenRouter
+    `provider` object, for a responder serving several providers (`endpoint_sim.providers.ProviderPool`)."""
     started = time.perf_counter()
     key = state.responder.key(prompt_ids, seed)
     attempt = state.count(route, key)
@@ -300,6 +302,14 @@ async def _admit(
     limit_usd = state.config.key_limit_usd
     if limit_usd is not None and state.key_usage_usd(0.0) >= limit_usd:
         return state.respond(402, _error(402, f"simulated: key limit of {limit_usd:g} USD reached"))
+    pick = getattr(state.responder, "pick", None)  # endpoint_sim.providers.ProviderPool
+    sample_args: tuple[Any, ...] = (prompt_ids, seed, key)
+    if pick is not None:
+        try:
+            pick(key, routing)
+        except LookupError as exc:
+            return state.respond(404, _error(404, str(exc)))
+        sample_args = (*sample_args, routing)
     delay = state.latency(key, attempt)
     rule = state.failure_rule(key, attempt)
     if rule is not None:
@@ -309,9 +319,9 @@ async def _admit(
                 await asyncio.sleep(delay)
             return _failure_response(state, request, rule, attempt, len(prompt_ids))
     if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: batched, off the loop
-        sample = await state.responder.sample_async(prompt_ids, seed, key)  # type: ignore[attr-defined]
+        sample = await state.responder.sample_async(*sample_args)  # type: ignore[attr-defined]
     else:
-        sample = state.responder.sample(prompt_ids, seed, key)
+        sample = state.responder.sample(*sample_args)
     ids, finish = _truncate(sample, limit)
     return Admitted(key, attempt, sample, ids, finish, rule, started, delay)
 
@@ -452,7 +462,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     want_logprobs = body.get("logprobs") is True
     responder = state.responder
     prompt_ids = responder.prompt_ids_for_messages(messages)
-    admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens)
+    admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens, body.get("provider"))
     if isinstance(admitted, web.Response):
         return admitted
     cfg = state.config

@@ -325,6 +325,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         draft_vocab_size=args.draft_vocab_size,
         target_model=Path(args.target_model).resolve() if args.target_model else None,
+        score_policy=args.score_policy,
     )
     print(json.dumps(stats, indent=2))
     return 0
@@ -358,6 +359,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "extract_enabled": cfg.extract.enabled,
             "skip_failed_validation": cfg.extract.skip_failed_validation,
             "retry_failed": cfg.endpoint.retry_failed,
+            "scoring_enabled": cfg.scores_extracted,
         }
     status = run_status(run_dir, recipes, **settings)
     failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
@@ -500,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--val-fraction", type=float, default=0.05, help="fraction of prompts held out (by hash)")
     export.add_argument("--draft-vocab-size", type=int, help="also write d2t/t2d with the trainer's own utility")
     export.add_argument("--target-model", help="target model directory (default: the one extract recorded)")
+    export.add_argument(
+        "--score-policy",
+        choices=["keep", "flag", "drop"],
+        help="samples outside the scoring bounds: keep, flag in the manifest, or drop "
+        "(default: the run's scoring.sample_policy)",
+    )
     export.set_defaults(func=cmd_export)
     status = sub.add_parser(
         "status", help="samples expected/done/failed/stale/missing per dataset and stage (exit 6: stages disagree)"

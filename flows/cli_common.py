@@ -119,3 +119,26 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
         f"pending ${gen.get('pending_usd') or 0:.4f}; "
         f"report: {stats['run_dir']}/reports/report.html"
     )
+    print_parity(console, stats.get("scores"))
+
+
+def print_parity(console: Any, summary: dict[str, Any] | None) -> None:
+    """The provider-parity table (the target's scores of each provider's answers), when the run scored any."""
+    if not summary:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from tasks.scoring import provider_rows
+
+    if not console.is_terminal:  # a log file or a pipe: the table is wider than 80 columns
+        console = Console(width=200)
+    columns = ("serving", "samples", "mean NLL", "NLL vs others", "top-1 rate", "top-1 vs others", "verdict")
+    table = Table(title="provider parity (the target's scores of the answers; full table in the report)")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("serving", "verdict") else "right")
+    for row in provider_rows(summary):
+        table.add_row(*(row[c] for c in columns))
+    console.print(table)
+    for line in summary.get("named_lines", []):
+        console.print(f"[bold red]provider parity:[/bold red] {line}")

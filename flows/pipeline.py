@@ -33,11 +33,11 @@ from flows.retry_policy import retry_transient
 from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig
 from tasks.common.run_summary import run_summary_markdown
-from tasks.common.schemas import REPORTS_DIR, STAGES
+from tasks.common.schemas import REPORTS_DIR, SCORES_STAGE, STAGES
 from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts, read_marker
 from tasks.estimate.display import estimate_text
 from tasks.estimate.estimate import check_budget, estimate_run
-from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
+from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner, needs_forward_pass
 from tasks.generate.endpoint_wait import wait_for_endpoint
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
@@ -50,6 +50,7 @@ from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
+from tasks.scoring import check_parity_gate, provider_rows, publish_score_report
 from tasks.status.plan import (
     generate_todo,
     hidden_states_todo,
@@ -178,7 +179,7 @@ def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
 def extract_task(cfg: PipelineConfig, part: int) -> dict[str, Any]:
     key = json.dumps([str(cfg.extract_model_path), cfg.extract.model_dump(mode="json")], sort_keys=True)
     runner = _RUNNERS.get(key)
-    if runner is None:
+    if runner is None and needs_forward_pass(cfg, part):  # scores alone never load the whole model
         runner = _RUNNERS[key] = make_runner(cfg)
     return extract_part(cfg, part, runner)
 
@@ -318,7 +319,25 @@ def run_extract(cfg: PipelineConfig, parts: list[int], store: RunStore | None = 
     for part in todo:
         results.append(extract_task(cfg, part))
         _push(store, cfg, "hidden_states", [part])
+        _push(store, cfg, SCORES_STAGE, [part])
     return results
+
+
+def publish_scores(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]:
+    """The provider-parity report section and artifacts, after extraction; `run_pipeline` applies its gate once
+    the run summary is written. Not a task: a no-op rerun reads only `reports/scores.json`."""
+    report = publish_score_report(cfg.run_dir, cfg.scoring)
+    summary = report.summary
+    create_markdown_artifact(key="provider-parity", markdown=report.markdown)
+    create_table_artifact(
+        key="provider-parity-table",
+        table=provider_rows(summary) or [{"serving": None, "samples": "0"}],
+        description=f"The target's scores of each provider's answers in {cfg.run_dir} (report: {report.path})",
+    )
+    if summary["named"]:
+        get_run_logger().warning("provider parity: %s", "; ".join(summary["named_lines"]))
+    _push_files(store, cfg, REPORTS_DIR)
+    return summary
 
 
 def run_pipeline(
@@ -347,13 +366,18 @@ def run_pipeline(
         elif cfg.extract.enabled:
             stats["extract"] = run_extract(cfg, parts, store)
     if store is not None and run is not None and run.extract_deployment:
-        _pull(store, "hidden_states")
+        _pull(store, "hidden_states", SCORES_STAGE)
+    scored = cfg.scores_extracted and "stopped" not in stats
+    if scored:
+        stats["scores"] = publish_scores(cfg, store)
     stats["status"] = publish_status(cfg, extracted_here=not (run is not None and run.extract_deployment))
     stats["wall_s"] = round(time.monotonic() - started, 3)
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
     if store is not None:
         store.push_file(cfg.run_dir / "run_summary.json")
     create_markdown_artifact(key="run-summary", markdown=_markdown_summary(stats))
+    if scored:
+        check_parity_gate(stats["scores"], cfg.scoring)
     return stats
 
 
@@ -366,7 +390,12 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
     if not extracted_here:
         recipes.pop("hidden_states")
     status = run_status(
-        cfg.run_dir, recipes, cfg.extract.enabled, cfg.extract.skip_failed_validation, cfg.endpoint.retry_failed
+        cfg.run_dir,
+        recipes,
+        cfg.extract.enabled,
+        cfg.extract.skip_failed_validation,
+        cfg.endpoint.retry_failed,
+        cfg.scores_extracted,
     )
     failed_file = write_failed_file(status)
     publish_failed_samples(status.failure_records(), failed_file)
@@ -440,7 +469,7 @@ FLOW_OPTIONS: dict[str, Any] = {"log_prints": True, "on_failure": [failure_summa
 def pipeline(run: RunParameters) -> dict[str, Any]:
     """Every stage; each resumes from the completion markers already in the run directory."""
     resolved = resolve_run(run)
-    _pull(resolved.store, *STAGES)
+    _pull(resolved.store, *STAGES, SCORES_STAGE)
     return _finish(run_pipeline(resolved.cfg, resolved.store, run), resolved.cfg)
 
 
@@ -470,7 +499,7 @@ def validate_flow(run: RunParameters) -> dict[str, Any]:
 def extract_flow(run: RunParameters) -> list[dict[str, Any]]:
     """Hidden-state extraction alone: the flow the GPU work pool runs over an existing run directory."""
     resolved = resolve_run(run)
-    _pull(resolved.store, "tokens", "validation", "hidden_states")
+    _pull(resolved.store, "tokens", "validation", "hidden_states", SCORES_STAGE)
     parts = [p for p in _parts(resolved.cfg, "tokens") if in_slice(p, run.part_slice)]
     results = run_extract(resolved.cfg, parts, resolved.store)
     done = _done(resolved.cfg, "tokens", parts)

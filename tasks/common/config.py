@@ -318,6 +318,91 @@ class ExtractConfig(StrictModel):
     )
 
 
+class ScoringConfig(StrictModel):
+    """The target model scores its own training data at extraction (`tasks/extract/scores.py`): per answer token
+    its log-probability and whether it was the target's top-1 choice; per sample the mean NLL, the top-1 rate,
+    the longest run below `low_prob_floor` and the end token's log-probability. The bounds below judge samples
+    (by reason, under `sample_policy`), the parity settings judge providers against each other
+    (`tasks/scoring/`)."""
+
+    enabled: bool = Field(
+        default=True, description="Score every answer token with the target's own lm_head during extraction."
+    )
+    low_prob_floor: float = Field(
+        default=1e-4,
+        gt=0,
+        lt=1,
+        description="Tokens the target gives less than this probability count toward longest_low_prob_run "
+        "(stored per sample: changing it recomputes the stored runs from the stored per-token log-probabilities).",
+    )
+    logits_chunk_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Answer tokens whose full-vocabulary logits are on the device at once (memory: this x vocab x "
+        "6 bytes, e.g. 0.5 GB for Kimi-K2.5's 163,840 entries).",
+    )
+    max_mean_nll_nats: float | None = Field(
+        default=None, gt=0, description="Bound: a sample's mean negative log-likelihood per answer token (None: off)."
+    )
+    min_top1_rate: float | None = Field(
+        default=None, ge=0, le=1, description="Bound: share of answer tokens that were the target's top-1 choice."
+    )
+    max_low_prob_run_tokens: int | None = Field(
+        default=None, ge=1, description="Bound: longest run of answer tokens below low_prob_floor (garbage text)."
+    )
+    min_end_logprob: float | None = Field(
+        default=None,
+        le=0,
+        description="Bound: the target's log-probability of the answer's last token (the end of turn): far below "
+        "it, the answer stops where the target would not (a truncated tail).",
+    )
+    sample_policy: Literal["keep", "flag", "drop"] = Field(
+        default="flag",
+        description="Samples outside a bound: keep (counted in the report), flag (also listed in the export "
+        "manifest), drop (left out of the exports). The report counts them by reason in every case.",
+    )
+    parity_gate: Literal["off", "warn", "fail"] = Field(
+        default="warn",
+        description="A provider whose answers the target scores worse than the other providers' beyond a margin: "
+        "off, warn (named in the report, the artifact and the log), fail (also exit 5).",
+    )
+    parity_margin_nll_nats: float = Field(
+        default=0.05, ge=0, description="Mean NLL per answer token a provider may exceed the others' by."
+    )
+    parity_margin_top1_rate: float = Field(
+        default=0.02, ge=0, le=1, description="Top-1 agreement rate a provider may fall short of the others' by."
+    )
+    parity_confidence: float = Field(
+        default=0.99,
+        gt=0.5,
+        lt=1,
+        description="One-sided confidence that a difference exceeds its margin before a provider is named.",
+    )
+    parity_min_samples: int = Field(
+        default=30, ge=2, description="Scored samples a provider (and the rest) need before it can be named."
+    )
+
+    @field_validator("parity_gate", mode="before")
+    @classmethod
+    def _gate_off(cls, v: Any) -> Any:
+        """YAML 1.1 reads a bare `off` as false: `parity_gate: off` means the gate is off."""
+        return "off" if v is False else v
+
+    def bounds(self) -> dict[str, float | int | None]:
+        return {
+            "max_mean_nll_nats": self.max_mean_nll_nats,
+            "min_top1_rate": self.min_top1_rate,
+            "max_low_prob_run_tokens": self.max_low_prob_run_tokens,
+            "min_end_logprob": self.min_end_logprob,
+        }
+
+
+def scores_extracted_with(scoring_enabled: bool, backend: str, store_final_state: bool) -> bool:
+    """Scoring on, and a backend that can score: the sglang backend scores the stored final states after each
+    part, so an sglang run that stores aux states only has nothing to score (the report says so)."""
+    return scoring_enabled and (backend != "sglang" or store_final_state)
+
+
 class PipelineConfig(StrictModel):
     run_dir: Path
     samples_per_shard: int = Field(default=1000, ge=1)
@@ -328,6 +413,7 @@ class PipelineConfig(StrictModel):
     reconstruct: ReconstructConfig = ReconstructConfig()
     validation: ValidationConfig = ValidationConfig()
     extract: ExtractConfig = ExtractConfig()
+    scoring: ScoringConfig = ScoringConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:
@@ -361,6 +447,13 @@ class PipelineConfig(StrictModel):
         if self.endpoint.keep_length_truncated and "length" not in allowed:
             allowed.append("length")
         return allowed
+
+    @property
+    def scores_extracted(self) -> bool:
+        """Whether extraction scores the answers (`scores_extracted_with`)."""
+        return self.extract.enabled and scores_extracted_with(
+            self.scoring.enabled, self.extract.backend, self.extract.store_final_state
+        )
 
     @property
     def extract_model_path(self) -> Path:

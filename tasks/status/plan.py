@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.config import PipelineConfig
+from tasks.common.schemas import SCORES_STAGE
 from tasks.common.shards import (
     PartRef,
     atomic_write_text,
@@ -52,12 +53,14 @@ def hidden_states_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
 
 def recipe_digests(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, str | None]:
     """Stage -> recipe digest a current part must record, for `status` to tell config-stale parts too."""
+    from tasks.extract.scores import scores_recipe
     from tasks.extract.stage import hidden_states_recipe
 
     return {
         "tokens": recipe_digest(tokens_recipe(cfg, fmt, repair_table(cfg, fmt))),
         "validation": recipe_digest(validation_recipe(cfg, fmt)),
         "hidden_states": recipe_digest(hidden_states_recipe(cfg)),
+        SCORES_STAGE: recipe_digest(scores_recipe(cfg)),
     }
 
 

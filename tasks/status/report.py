@@ -18,8 +18,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from tasks.common.config import scores_extracted_with
 from tasks.common.failures import FailureRecord, failure_class, rerun_action
-from tasks.common.schemas import REPORTS_DIR, STAGES
+from tasks.common.schemas import REPORTS_DIR, SCORES_STAGE, STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state
 from tasks.prepare.datasets import QUARANTINE
 from tasks.status.status_cache import cached, status_key
@@ -35,7 +36,14 @@ COLUMNS: dict[str, list[str]] = {
     "tokens": ["sample_id", "dataset"],
     "validation": ["sample_id", "dataset", "verdict", "reference_match", "structural_issues"],
     "hidden_states": ["sample_id", "dataset"],
+    SCORES_STAGE: ["sample_id", "dataset"],
 }
+LABELS = {SCORES_STAGE: "scores"}
+"""How a stage is shown: the target's scores live beside the hidden-state index (`hidden_states/_scores`)."""
+
+
+def stage_label(stage: str) -> str:
+    return LABELS.get(stage, stage)
 
 
 @dataclass
@@ -101,7 +109,7 @@ class RunStatus:
                 out.append(
                     {
                         "dataset": dataset,
-                        "stage": stage,
+                        "stage": stage_label(stage),
                         "expected": c.expected,
                         "done": c.done,
                         "failed": c.failed,
@@ -310,11 +318,14 @@ def run_status(
     extract_enabled: bool | None = None,
     skip_failed_validation: bool | None = None,
     retry_failed: str | None = None,
+    scoring_enabled: bool | None = None,
 ) -> RunStatus:
     """Reconcile a run directory's stages. `recipes` (stage -> recipe digest) also marks parts built with another
     config stale; without it only changed input parts do. Extraction settings default to the run's last config
-    (`run_summary.json`), else to "enabled, skipping samples validation failed". The result of the last call is
-    reused while its key (every marker's bytes, the quarantine file, these settings) is unchanged."""
+    (`run_summary.json`), else to "enabled, skipping samples validation failed"; scores (every hidden-states
+    sample scored, `scores` after `hidden_states`) are expected when that config had scoring on (a run from
+    before scoring existed has none to expect). The result of the last call is reused while its key (every
+    marker's bytes, the quarantine file, these settings) is unchanged."""
     run_dir = Path(run_dir)
     config = _run_config(run_dir)
     extract_cfg = config.get("extract", {})
@@ -324,7 +335,15 @@ def run_status(
         skip_failed_validation = bool(extract_cfg.get("skip_failed_validation", True))
     if retry_failed is None:
         retry_failed = str(config.get("endpoint", {}).get("retry_failed", "transient"))
+    if scoring_enabled is None:
+        scoring_enabled = "scoring" in config and scores_extracted_with(
+            bool(config["scoring"].get("enabled", True)),
+            str(extract_cfg.get("backend", "hf")),
+            bool(extract_cfg.get("store_final_state", True)),
+        )
     stages = [s for s in STAGES if s != "hidden_states" or extract_enabled]
+    if extract_enabled and scoring_enabled:
+        stages.append(SCORES_STAGE)
     recipes = recipes or {}
     numbers = {stage: _part_numbers(run_dir, stage) for stage in stages}
     raw_quarantine = _quarantine_bytes(run_dir)
@@ -445,12 +464,13 @@ def _reconcile(
             if c.extra:
                 what.append(f"{c.extra} not expected")
             if what:
-                problems.append(f"{dataset} {stage}: " + ", ".join(what) + f" of {c.expected} expected")
+                problems.append(f"{dataset} {stage_label(stage)}: " + ", ".join(what) + f" of {c.expected} expected")
     for stage, sp in parts.items():
+        label = stage_label(stage)
         if sp.stale:
-            problems.append(f"{stage}: stale parts {sp.stale} (built from inputs or a config that changed since)")
+            problems.append(f"{label}: stale parts {sp.stale} (built from inputs or a config that changed since)")
         if sp.missing and stage != "responses":
-            problems.append(f"{stage}: unfinished parts {sp.missing}")
+            problems.append(f"{label}: unfinished parts {sp.missing}")
     if not datasets:
         problems.append("no prepared samples: the prompts stage is empty")
     return RunStatus(run_dir, stages, counts, parts, failed, quarantined, problems, retry_failed)
