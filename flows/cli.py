@@ -75,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tasks.generate.progress_display import show_progress
 
     started = time.monotonic()
-    with show_progress(enabled=not args.no_progress), heartbeats_only_for_a_server():
+    with show_progress(enabled=not args.no_progress, events=False), heartbeats_only_for_a_server():
         stats = pipeline(run)
     if stats.get("dry_run"):
         print(stats["estimate"]["text"])
@@ -171,7 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     run_dir, model_dir = demo_dirs(args)
     started = time.monotonic()
     sim_config = SimConfig(noncanonical_rate=args.noncanonical_rate)
-    with SimulatorServer(model_dir, sim_config) as sim, show_progress(enabled=not args.no_progress):
+    with SimulatorServer(model_dir, sim_config) as sim, show_progress(enabled=not args.no_progress, events=False):
         overrides = {
             "run_dir": str(run_dir),
             "endpoint.base_url": sim.base_url,

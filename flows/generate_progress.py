@@ -34,6 +34,7 @@ from tasks.generate.progress import (
     ProgressSnapshot,
     RunEvent,
     add_event_listener,
+    event_line,
     format_counts,
     format_duration,
     format_usd,
@@ -103,22 +104,13 @@ class LogProgressListener:
         self._logger.info(log_line(snapshot))
 
 
-EVENT_LABELS = {
-    "outage_start": "endpoint outage started",
-    "outage_end": "endpoint outage ended",
-    "budget_stop": "stopped at the budget cap",
-    "settled": "pending spend settled",
-}
-
-
 @contextmanager
 def logged_events(logger: Logger) -> Iterator[None]:
     """One log line per run event (outage start and end, budget stop, settled spend) while the block runs."""
 
     def log(event: RunEvent) -> None:
         level = logging.INFO if event.kind in ("outage_end", "settled") else logging.WARNING
-        label = EVENT_LABELS.get(event.kind, event.kind)
-        logger.log(level, f"{label} at {format_duration(event.elapsed_s)}: {event.message}")
+        logger.log(level, event_line(event))
 
     remove = add_event_listener(log)
     try:

@@ -56,7 +56,7 @@ def _pipeline(
 
     with (
         SimulatorServer(model_dir, responder.config, responder=responder) as sim,
-        show_progress(enabled=not no_progress),
+        show_progress(enabled=not no_progress, events=False),
         heartbeats_only_for_a_server(),
     ):
         overrides = {

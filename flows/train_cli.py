@@ -186,7 +186,7 @@ def cmd_demo_train(args: argparse.Namespace) -> int:
     responder = ModelResponder(model_dir, sim_config, temperature=0.0)
     with (
         SimulatorServer(model_dir, sim_config, responder=responder) as sim,
-        show_progress(enabled=not args.no_progress),
+        show_progress(enabled=not args.no_progress, events=False),
     ):
         overrides = {
             "run_dir": str(run_dir),

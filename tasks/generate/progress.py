@@ -97,6 +97,19 @@ class RunEvent:
 
 EventListener = Callable[[RunEvent], None]
 
+EVENT_LABELS: dict[str, str] = {
+    "outage_start": "endpoint outage started",
+    "outage_end": "endpoint outage ended",
+    "budget_stop": "stopped at the budget cap",
+    "settled": "pending spend settled",
+}
+
+
+def event_line(event: RunEvent) -> str:
+    """The one line a run event is told by, the same in a Prefect task's log and on the CLI's stderr."""
+    return f"{EVENT_LABELS.get(event.kind, event.kind)} at {format_duration(event.elapsed_s)}: {event.message}"
+
+
 _event_listeners: list[EventListener] = []
 
 _listeners: list[Listener] = []

@@ -21,7 +21,14 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from tasks.generate.progress import ProgressSnapshot, add_listener, status_fields, status_line
+from tasks.generate.progress import (
+    ProgressSnapshot,
+    add_event_listener,
+    add_listener,
+    event_line,
+    status_fields,
+    status_line,
+)
 
 LINE_EVERY_S = 10.0
 
@@ -100,15 +107,26 @@ class ProgressDisplay:
 
 
 @contextmanager
-def show_progress(enabled: bool = True, console: Console | None = None) -> Iterator[ProgressDisplay | None]:
-    """Show every generate run in this process while the block runs (process-wide listener)."""
-    if not enabled:
-        yield None
-        return
-    display = ProgressDisplay(console)
-    remove = add_listener(display)
+def show_progress(
+    enabled: bool = True, console: Console | None = None, events: bool = True
+) -> Iterator[ProgressDisplay | None]:
+    """Show every generate run in this process while the block runs (process-wide listener). Run events (an
+    outage starting or ending, a budget stop, settled spend) print one line each on stderr even without the
+    display, unless `events` is off: a Prefect flow run's log tells them (`flows.generate_progress`)."""
+    out = Console(stderr=True, highlight=False, soft_wrap=True) if console is None else console
+    remove_events = (
+        add_event_listener(lambda event: out.print(event_line(event), markup=False)) if events else lambda: None
+    )
     try:
-        yield display
+        if not enabled:
+            yield None
+            return
+        display = ProgressDisplay(console)
+        remove = add_listener(display)
+        try:
+            yield display
+        finally:
+            remove()
+            display.close()
     finally:
-        remove()
-        display.close()
+        remove_events()
