@@ -33,9 +33,9 @@ def test_the_endpoint_killed_for_60_s_under_a_5_usd_cap_costs_nothing_extra() ->
     """The endpoint process gets SIGKILL with the window full (64 in flight) and comes back 60 s later: no
     sample fails, no budget stop, at most the in-flight requests + 100 are sent while it is down, and the
     recorded spend is the bill within 1%. The requests the kill cut were never billed, and SGLang's /generate
-    has no generation record, so only the key's account can say so: key settlement is on (with it off they
-    stay pending at their worst case, $0.0051 each, and are printed)."""
-    out = scenario("outage", "--down-s", "60", "--set", "endpoint.account_settlement=exclusive_key")
+    has no generation record, so only the key's account can say so: key settlement is on as shipped (with it
+    off they stay pending at their worst case, $0.0051 each, and are printed)."""
+    out = scenario("outage", "--down-s", "60")
     assert out["exit_code"] == 0 and out["stopped"] is None
     assert out["samples_done"] == 80 and out["samples_failed"] == 0
     assert out["down_s"] >= 60 and out["in_flight_at_kill"] >= 60

@@ -164,11 +164,13 @@ class Settler:
             await self._settle_by_account()
 
     async def after_run(self, run_dir: Path) -> None:
-        """Once nothing is in flight: this run's pending attempts (read back from its flushed segment)."""
+        """Once nothing is in flight: this run's pending attempts (read back from its flushed segment). With
+        nothing pending there is nothing to settle, and the closing account reading (a wait of
+        `account_settle_stable_s` at least) is skipped: the next run's opening reading covers this run's answers."""
         self.writer.log.flush()
         self.ledger = SpendLedger.load(run_dir)
         await self._settle_by_generation(LOOKUP_AFTER_RUN_S)
-        if self.by_account and self._account_started:
+        if self.by_account and self._account_started and self.ledger.totals().pending_attempts:
             await self._account_reading("end")
             await self._settle_by_account()
 
