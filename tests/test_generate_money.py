@@ -359,6 +359,7 @@ def test_two_concurrent_triggers_of_one_run_dir_send_each_sample_at_most_once(
     assert len(rows) == 80 and {r["status"] for r in rows} == {"done"}
 
 
+@pytest.mark.slow  # ~30 s of kill and rerun: `make test-long`; the ten CLI kills above stay in make test
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_kill_9_of_a_real_prefect_run_keeps_paid_answers_and_counts_every_cent(
     tmp_path: Path, tokenizer_dir: Path

@@ -46,6 +46,7 @@ def _markers(fs: Any, stage: str, run: str = RUN) -> int:
     return len(fs.glob(f"{BUCKET}/runs/{run}/{stage}/_done/part-*.json"))
 
 
+@pytest.mark.slow  # the loopback cluster (~45 s): make test-long; test_store_sync.py keeps a host kill in make test
 def test_a_killed_cpu_host_loses_nothing_and_the_rerun_completes_from_the_store(deployed_cluster: Cluster) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

@@ -39,6 +39,7 @@ def _artifact_keys(c: Cluster, flow_run_id: str) -> set[str]:
     return {a["key"] for a in artifacts}
 
 
+@pytest.mark.slow  # the loopback cluster (~60 s): `make test-long`, which CI runs after `make test`
 def test_shipped_deployments_run_from_the_run_button_on_workers_and_wait_out_a_transient_outage(
     deployed_cluster: Cluster,
 ) -> None:
