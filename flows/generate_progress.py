@@ -79,6 +79,23 @@ def log_line(s: ProgressSnapshot) -> str:
     return ", ".join(parts)
 
 
+class _Throttle:
+    """The first snapshot and the final one always pass; the others at most once per `every_s`. Not locked:
+    each listener calls it under its own lock."""
+
+    def __init__(self, every_s: float, clock: Callable[[], float]) -> None:
+        self._every_s = every_s
+        self._clock = clock
+        self._last: float | None = None
+
+    def due(self, snapshot: ProgressSnapshot) -> bool:
+        now = self._clock()
+        if not snapshot.final and self._last is not None and now - self._last < self._every_s:
+            return False
+        self._last = now
+        return True
+
+
 class LogProgressListener:
     """Logs `log_line` for the first snapshot, then every `every_s`, and for the final one: the generate task's
     log tells what happened even where no artifact is looked at."""
@@ -90,17 +107,13 @@ class LogProgressListener:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._logger = logger
-        self._every_s = every_s
-        self._clock = clock
-        self._last: float | None = None
+        self._throttle = _Throttle(every_s, clock)
         self._lock = threading.Lock()
 
     def __call__(self, snapshot: ProgressSnapshot) -> None:
         with self._lock:
-            now = self._clock()
-            if not snapshot.final and self._last is not None and now - self._last < self._every_s:
+            if not self._throttle.due(snapshot):
                 return
-            self._last = now
         self._logger.info(log_line(snapshot))
 
 
@@ -130,9 +143,7 @@ class PrefectProgressListener:
         self.task_run_id: UUID | None = task_run_id
         self.flow_run_id: UUID | None = flow_run_id
         self._settings = get_settings_context()
-        self._every_s = every_s
-        self._clock = clock
-        self._last: float | None = None
+        self._throttle = _Throttle(every_s, clock)
         self._lock = threading.Lock()
         initial = self._artifact("progress", PROGRESS_KEY, 0.0, "**generate**: waiting for the first results")
         self.progress_id: UUID = self._call(lambda client: client.create_artifact(initial).id)
@@ -157,10 +168,8 @@ class PrefectProgressListener:
 
     def __call__(self, snapshot: ProgressSnapshot) -> None:
         with self._lock:
-            now = self._clock()
-            if not snapshot.final and self._last is not None and now - self._last < self._every_s:
+            if not self._throttle.due(snapshot):
                 return
-            self._last = now
             self._call(lambda client: self._publish(client, snapshot))
 
     def _publish(self, client: SyncPrefectClient, snapshot: ProgressSnapshot) -> None:
