@@ -21,7 +21,7 @@ import random
 import resource
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from types import TracebackType
@@ -38,13 +38,14 @@ from tasks.generate.endpoints import (
     EndpointRequest,
     GenerationResult,
     MalformedResponseError,
-    StreamAssembler,
     build_request,
     generation_lookup_url,
     parse_response,
 )
 from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
 from tasks.generate.ledger import LedgerWriter
+from tasks.generate.sse import StreamAssembler
+from tasks.generate.stall_watch import StallWatch, stop_per_read_timer
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 RUN_FATAL_STATUS = frozenset({401, 403, 404})
@@ -583,14 +584,29 @@ class EndpointClient:
             raise RetryableError("invalid_json", f"HTTP 200 with a JSON {type(body).__name__}, expected an object")
         return body
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse) -> dict[str, Any]:
-        """The SSE body folded into the equivalent non-streaming body; a cut or failing stream is retryable."""
-        stream = StreamAssembler()
+    async def _read_stream(
+        self, resp: aiohttp.ClientResponse, on_generation_id: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
+        """The SSE body folded into the equivalent non-streaming body; a cut, stalled or failing stream is
+        retryable. `on_generation_id` is called once, as soon as the id is known.
+
+        Reads whatever the socket has (`readany`), never line by line: a coroutine per line was most of the
+        client's CPU at thousands of streams, and so was aiohttp's per-read timer, which `StallWatch` replaces."""
+        stream = StreamAssembler(on_generation_id)
+        content = resp.content
+        loop = asyncio.get_running_loop()
+        clock = loop.time
+        stop_per_read_timer(resp)
+        watch = StallWatch(loop, content, self.cfg.endpoint.stream_idle_timeout_s)
         try:
-            async for raw_line in resp.content:
-                stream.feed_line(raw_line.decode("utf-8", errors="replace").rstrip("\r\n"))
-                if stream.done:
+            while not stream.done:
+                data = await content.readany()
+                watch.last = clock()
+                if not data:
+                    stream.close()
                     break
+                stream.feed(data)
+                data = b""  # not held while the next read waits: 10,000 streams would each keep their last read
         except MalformedResponseError as exc:
             raise RetryableError(
                 "truncated_stream", self.redact(str(exc)), billed=None, generation_id=stream.generation_id()
@@ -599,6 +615,8 @@ class EndpointClient:
             # Cut mid-stream: billed, but by how much only the generation record can tell.
             setattr(exc, "generation_id", stream.generation_id())  # noqa: B010
             raise
+        finally:
+            watch.cancel()
         if stream.error is not None:
             error = self.redact(json.dumps(stream.error, ensure_ascii=False))[:ERROR_SNIPPET_CHARS]
             raise RetryableError(

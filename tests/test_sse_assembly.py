@@ -1,0 +1,160 @@
+"""The SSE assembler against real long answers: whatever way the bytes are cut, it gives the non-streamed body.
+
+The answers are `endpoint_sim.long_answers`' (thousands of tokens in chunks of 1-8, JSON escapes, CJK, emoji,
+ASCII-escaped answers whose emoji are cut between two chunks as UTF-16 halves); the wire variants are the ones the
+SSE spec allows and servers send: CRLF or CR line ends, an event spread over several `data:` lines, `data:`
+without its space, no blank line after the last event.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from endpoint_sim.long_answers import (
+    ID_PLACEHOLDER,
+    LongAnswer,
+    LongStreamConfig,
+    completion_body,
+    long_answer,
+    render_stream,
+    usage,
+)
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig
+from tasks.generate.endpoints import CompletionMarkers, MalformedResponseError, parse_response
+from tasks.generate.sse import StreamAssembler
+
+CFG = LongStreamConfig(tokens_min=300, tokens_max=3000)
+GEN_ID = "gen-1760000000-00000000000000000042"
+MARKERS = CompletionMarkers(reasoning_close="</think>", end_of_turn="")
+
+
+def pipeline_cfg(tmp_path: Any) -> PipelineConfig:
+    return PipelineConfig(
+        run_dir=tmp_path,
+        datasets=[DatasetConfig(name="ds", path=tmp_path)],
+        endpoint=EndpointConfig(model="m", stream=True),
+        tokenizer=TokenizerConfig(path=tmp_path),
+    )
+
+
+def wire(index: int, n_prompt: int = 17) -> tuple[LongAnswer, bytes, dict[str, Any]]:
+    """An answer, its SSE body as the server sends it, and the same answer non-streamed (as parsed JSON)."""
+    answer = long_answer(CFG, index)
+    rendered = render_stream(CFG, answer)
+    body = (rendered.blob + rendered.ending(usage(CFG, answer, n_prompt))).replace(
+        ID_PLACEHOLDER.encode(), GEN_ID.encode()
+    )
+    return answer, body, json.loads(completion_body(CFG, answer, GEN_ID, n_prompt))
+
+
+def assemble(body: bytes, cuts: list[int], **hooks: Any) -> StreamAssembler:
+    stream = StreamAssembler(**hooks)
+    start = 0
+    for cut in [*cuts, len(body)]:
+        stream.feed(body[start:cut])
+        start = cut
+    stream.close()
+    return stream
+
+
+def random_cuts(body: bytes, rng: random.Random, most: int) -> list[int]:
+    cuts, at = [], 0
+    while True:
+        at += rng.randint(1, most)
+        if at >= len(body):
+            return cuts
+        cuts.append(at)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 3])
+def test_any_cut_of_a_long_stream_gives_the_non_streamed_result(index: int, tmp_path: Any) -> None:
+    answer, body, whole = wire(index)
+    assert answer.ascii_escaped == (index % 2 == 1)
+    if answer.ascii_escaped:
+        assert b"\\ud83d" in body, "the escaped answers must cut an emoji between two chunks"
+    cfg = pipeline_cfg(tmp_path)
+    expected = parse_response(cfg, whole, MARKERS)
+    assert expected.reasoning == answer.reasoning and expected.content == answer.content
+    rng = random.Random(index)
+    for most in (1, 7, 500, 5000, len(body)):
+        stream = assemble(body, random_cuts(body, rng, most) if most > 1 else list(range(1, len(body))))
+        assert stream.done and stream.finish_reason == "stop" and stream.error is None
+        assert parse_response(cfg, stream.body(), MARKERS) == expected, f"cut at most {most} bytes"
+
+
+def test_line_ends_multi_line_events_and_a_missing_last_blank_line() -> None:
+    _, body, whole = wire(2)
+    events = body.split(b"\n\n")
+    assert events[-1] == b""
+    variants = {
+        "crlf": body.replace(b"\n", b"\r\n"),
+        "cr": body.replace(b"\n", b"\r"),
+        "no space after data:": body.replace(b"data: ", b"data:"),
+        # One event's JSON over two data lines, joined again with LF (a JSON whitespace).
+        "split data lines": b"\n\n".join(
+            e.replace(b'","', b'",\ndata: "', 1) if e.startswith(b"data: {") else e for e in events
+        ),
+        "no blank line at the end": body.removesuffix(b"\n\n"),
+        "no line break at the end": body.removesuffix(b"\n\n").removesuffix(b"\n"),
+        "comments between every event": body.replace(b"\n\ndata: ", b"\n\n: OPENROUTER PROCESSING\n\ndata: "),
+    }
+    message = whole["choices"][0]["message"]
+    for name, variant in variants.items():
+        for most in (3, 4096):
+            stream = assemble(variant, random_cuts(variant, random.Random(name), most))
+            got = stream.body()
+            assert got["choices"][0]["message"] == message, name
+            assert (got["usage"], got["id"], got["provider"]) == (whole["usage"], GEN_ID, whole["provider"]), name
+            assert stream.finish_reason == "stop", name
+
+
+def test_the_generation_id_is_reported_once_with_the_first_chunk_and_choices_reach_the_accumulator() -> None:
+    _, body, _ = wire(0)
+    first_event_end = body.index(b"\n\n", body.index(b"data: {")) + 2
+    seen: list[str] = []
+    choices: list[dict[str, Any]] = []
+    stream = StreamAssembler(on_generation_id=seen.append, on_choice=choices.append)
+    stream.feed(body[: first_event_end - 1])
+    assert seen == []
+    stream.feed(body[first_event_end - 1 : first_event_end])
+    assert seen == [GEN_ID]
+    for start in range(first_event_end, len(body), 997):
+        stream.feed(body[start : start + 997])
+    stream.close()
+    assert seen == [GEN_ID]
+    assert len(choices) == body.count(b"data: {") - 1  # every chunk but the usage chunk, which has no choices
+    reasoning = "".join(c["delta"].get("reasoning") or "" for c in choices)
+    assert reasoning == stream.body()["choices"][0]["message"]["reasoning"]
+
+
+def test_values_orjson_refuses_are_parsed_as_json_does() -> None:
+    stream = StreamAssembler()
+    stream.feed(b'data: {"id":"g","choices":[{"delta":{"content":"a\\ud83d"},"finish_reason":null}],"x":NaN}\n\n')
+    stream.feed(b'data: {"choices":[{"delta":{"content":"\\ude42b"},"finish_reason":"stop"}]}\n\n')
+    stream.close()
+    assert stream.body()["choices"][0]["message"]["content"] == "a\U0001f642b"
+
+
+def test_error_chunks_and_broken_chunks() -> None:
+    errored = StreamAssembler()
+    errored.feed(b'data: {"id":"g","choices":[{"delta":{"content":"half"},"finish_reason":null}]}\n\n')
+    errored.feed(b'data: {"id":"g","error":{"code":502,"message":"Provider disconnected"},"choices":[]}\n\n')
+    assert errored.error == {"code": 502, "message": "Provider disconnected"} and errored.generation_id() == "g"
+    for broken, what in (
+        (b"data: [1, 2]\n\n", "JSON list"),
+        (b'data: {"choices": "x"}\n\n', "unexpected shape"),
+        (b'data: {"choices":[{"delta":{"content":["a"]}}]}\n\n', "unexpected shape"),
+        (b'data: {"choices":[{"delta":{"content":"a"}', "not JSON"),
+    ):
+        stream = StreamAssembler()
+        with pytest.raises(MalformedResponseError, match=what):
+            stream.feed(broken)
+            stream.close()
+    cut = StreamAssembler()
+    cut.feed(b'data: {"id":"g","choices":[{"delta":{"content":"a"},"finish_reason":null}]}\n\n')
+    cut.close()
+    assert cut.finish_reason is None and not cut.done
