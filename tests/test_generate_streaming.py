@@ -63,23 +63,27 @@ def prompts_part(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run(run_dir: Path, server: LongStreamServer, model_dir: Path, stream: bool) -> dict[str, dict[str, Any]]:
+def run(
+    run_dir: Path, server: LongStreamServer, model_dir: Path, stream: bool, **endpoint: Any
+) -> dict[str, dict[str, Any]]:
     cfg = PipelineConfig(
         run_dir=run_dir,
         datasets=[DatasetConfig(name="ds", path=model_dir)],
         endpoint=EndpointConfig(
-            base_url=server.base_url,
-            model="moonshotai/kimi-k2.5",
-            stream=stream,
-            stream_idle_timeout_s=0.5,
-            max_in_flight=SAMPLES,
-            max_attempts=1,
-            commit_every_samples=5,
+            **{
+                "base_url": server.base_url,
+                "model": "moonshotai/kimi-k2.5",
+                "stream": stream,
+                "stream_idle_timeout_s": 0.5,
+                "max_in_flight": SAMPLES,
+                "max_attempts": 1,
+                "commit_every_samples": 5,
+                **endpoint,
+            }
         ),
         tokenizer=TokenizerConfig(path=model_dir),
     )
-    summary = generate_parts(cfg, [PartRef(run_dir, "prompts", 0)], MARKERS).to_dict()["total"]
-    assert (summary["done"], summary["failed"]) == (SAMPLES, 0)
+    generate_parts(cfg, [PartRef(run_dir, "prompts", 0)], MARKERS)
     return {row["sample_id"]: row for row in read_part(PartRef(run_dir, "responses", 0)).to_pylist()}
 
 
@@ -95,6 +99,7 @@ def test_streamed_rows_equal_the_non_streamed_rows(
     assert stats["streams_finished"] == SAMPLES and stats["non_streamed"] == SAMPLES
     assert stats["data_events"] > 100 * SAMPLES, "the streams were not long"
     split_emoji = 0
+    assert all(row["status"] == "done" for row in whole.values())
     for sid, row in streamed.items():
         prompt = prompts[sid]["messages"][0]["content"]
         answer = long_streams.answer_for(prompt)
@@ -108,3 +113,15 @@ def test_streamed_rows_equal_the_non_streamed_rows(
             k: v for k, v in other.items() if k not in ("latency_s", "generation_id")
         }
     assert split_emoji, "no answer had an emoji to cut between chunks"
+
+
+def test_a_stream_that_keeps_going_past_the_request_timeout_is_cut(
+    tmp_path: Path, long_streams: LongStreamServer, tokenizer_dir: Path
+) -> None:
+    """Chunks keep coming every 20 ms, so the 0.5 s idle timeout never fires (the test above would fail otherwise);
+    `request_timeout_s` still bounds the whole answer."""
+    prompts_part(tmp_path)
+    rows = run(tmp_path, long_streams, tokenizer_dir, stream=True, request_timeout_s=0.3)
+    assert len(rows) == SAMPLES
+    for row in rows.values():
+        assert (row["status"], row["failure_reason"], row["attempts"]) == ("failed", "timeout", 1), row["error"]

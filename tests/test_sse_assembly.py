@@ -158,3 +158,7 @@ def test_error_chunks_and_broken_chunks() -> None:
     cut.feed(b'data: {"id":"g","choices":[{"delta":{"content":"a"},"finish_reason":null}]}\n\n')
     cut.close()
     assert cut.finish_reason is None and not cut.done
+    ended = StreamAssembler()
+    ended.feed(b'data: {"id":"g","choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}\n\n')
+    ended.feed(b"data: [DONE]\n\ndata: not JSON, and after the end\n\n")
+    assert ended.done and ended.body()["choices"][0]["message"]["content"] == "a"

@@ -337,7 +337,9 @@ class EndpointClient:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=ep.max_in_flight + 64, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(
-                total=ep.request_timeout_s,
+                # A streamed body's total and idle limits are kept by `_read_stream`'s StallWatch, at no cost per
+                # read; aiohttp's total timeout costs a context switch on every read of the body.
+                total=None if ep.stream else ep.request_timeout_s,
                 sock_connect=ep.connect_timeout_s,
                 sock_read=ep.stream_idle_timeout_s if ep.stream else None,
             ),
@@ -594,18 +596,17 @@ class EndpointClient:
         client's CPU at thousands of streams, and so was aiohttp's per-read timer, which `StallWatch` replaces."""
         stream = StreamAssembler(on_generation_id)
         content = resp.content
-        loop = asyncio.get_running_loop()
-        clock = loop.time
         stop_per_read_timer(resp)
-        watch = StallWatch(loop, content, self.cfg.endpoint.stream_idle_timeout_s)
+        ep = self.cfg.endpoint
+        watch = StallWatch(asyncio.get_running_loop(), content, ep.stream_idle_timeout_s, ep.request_timeout_s)
+        feed = stream.feed
         try:
             while not stream.done:
                 data = await content.readany()
-                watch.last = clock()
                 if not data:
                     stream.close()
                     break
-                stream.feed(data)
+                feed(data)
                 data = b""  # not held while the next read waits: 10,000 streams would each keep their last read
         except MalformedResponseError as exc:
             raise RetryableError(

@@ -28,6 +28,9 @@ from tasks.generate.endpoints import MalformedResponseError
 
 ENVELOPE_KEYS = ("id", "provider", "model", "quantization")
 LEARN_TRIES = 4
+# The learned envelope ends with the choices key; what follows is parsed as an object of its own.
+CHOICES_KEY = b',"choices":'
+REST_START = b'{"choices":'
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -41,6 +44,7 @@ class StreamAssembler:
         "_content",
         "_data",
         "_learn_left",
+        "_open",
         "_prefix",
         "_reasoning",
         "_tail",
@@ -64,6 +68,7 @@ class StreamAssembler:
         self._content = bytearray()
         self._tail = b""
         self._by_line = False
+        self._open: bytes | None = None
         self._data: bytes | None = None
         self._prefix = b""
         self._learn_left = LEARN_TRIES
@@ -76,43 +81,57 @@ class StreamAssembler:
     def feed(self, data: bytes) -> None:
         """The next bytes of the body, cut anywhere.
 
-        Events end with a blank line, so with LF line ends the body splits into events at every LF LF, and an
-        event that is one `data:` line (all of them, in practice) is parsed straight from its slice. A body with
-        a CR anywhere is read line by line from then on."""
+        With LF line ends (OpenAI's, OpenRouter's) the bytes are split at LF, lines gather into an event until its
+        blank line, and an event that is one `data:` line (all of them, in practice) is parsed straight from that
+        line. A body with a CR anywhere is read by `_feed_lines`, any line end, from then on."""
         if self._tail:
             data = self._tail + data
             self._tail = b""
         if self._by_line or b"\r" in data:
+            if self._open is not None:  # whole lines of an event whose blank line has not come
+                data = self._open + b"\n" + data
+                self._open = None
             self._by_line = True
             self._feed_lines(data)
             return
-        events = data.split(b"\n\n")
-        self._tail = events.pop()
+        lines = data.split(b"\n")
+        self._tail = lines.pop()
+        event = self._open
         prefix = self._prefix
         cut = len(prefix)
-        for event in events:
-            # A ValueError: [DONE], several data lines, or what orjson refuses; `_event_lines` sorts them out.
-            if cut and event.startswith(prefix):
+        for line in lines:
+            if line:
+                event = line if event is None else event + b"\n" + line
+                continue
+            if event is None:
+                continue
+            this, event = event, None
+            # A ValueError: [DONE], several lines, or what orjson refuses; `_event_lines` sorts them out.
+            if cut and this.startswith(prefix):
                 try:
-                    chunk = _loads(b'{"' + event[cut:])
+                    chunk = _loads(REST_START + this[cut:])
                 except ValueError:
-                    self._event_lines(event)
+                    self._event_lines(this)
                     continue
-            elif event[:6] == b"data: ":
+                if len(chunk) == 1:  # only "choices": the envelope is the learned one, nothing else rides along
+                    self._choice(chunk["choices"], chunk)
+                    continue
+            elif this[:6] == b"data: ":
                 try:
-                    chunk = _loads(event[6:])
+                    chunk = _loads(this[6:])
                 except ValueError:
-                    self._event_lines(event)
+                    self._event_lines(this)
+                    if self.done:  # [DONE]: whatever follows is not part of the answer
+                        return
                     continue
-                if self._learn_left and self._learn(event, chunk):
+                if self._learn_left and self._learn(this, chunk):
                     prefix = self._prefix
                     cut = len(prefix)
-            elif event:
-                self._event_lines(event)
-                continue
             else:
+                self._event_lines(this)
                 continue
             self._chunk(chunk)
+        self._open = event
 
     def close(self) -> None:
         """The body ended: a last line without its line break and an event without its blank line still count
@@ -124,28 +143,32 @@ class StreamAssembler:
             if self._data is not None:
                 data, self._data = self._data, None
                 self._event(data)
-        elif tail.strip(b"\n"):
-            self._event_lines(tail.strip(b"\n"))
+            return
+        event, self._open = self._open, None
+        if tail:
+            event = tail if event is None else event + b"\n" + tail
+        if event is not None:
+            self._event_lines(event)
 
     def _learn(self, event: bytes, chunk: Any) -> bool:
         """Learn the stream's envelope: the bytes before `"choices"`, which every chunk of a stream repeats (id,
         provider, model, created). A later event that starts with exactly these bytes is parsed from there on, as
-        `{"choices": ...}`, a third of the parsing saved; its envelope is the one already read. Kept only when the
+        `{"choices": ...}`, a fifth of the parsing saved; its envelope is the one already read. Kept only when the
         two parts parse to exactly the whole chunk; tried again on a chunk that does not match, a few times."""
         self._learn_left -= 1
-        at = event.find(b',"choices":')
+        at = event.find(CHOICES_KEY)
         if at < 7 or type(chunk) is not dict:
             return False
         try:
             envelope = _loads(event[6:at] + b"}")
-            rest = _loads(b'{"' + event[at + 2 :])
+            rest = _loads(REST_START + event[at + len(CHOICES_KEY) :])
         except ValueError:
             return False
         if type(envelope) is not dict or type(rest) is not dict or not envelope.keys().isdisjoint(rest):
             return False
         if {**envelope, **rest} != chunk:
             return False
-        self._prefix = event[: at + 2]
+        self._prefix = event[: at + len(CHOICES_KEY)]
         return True
 
     def _event_lines(self, event: bytes) -> None:
@@ -164,6 +187,8 @@ class StreamAssembler:
                 if pending is not None:
                     self._event(pending)
                     pending = None
+                    if self.done:
+                        break
             elif line[:5] == b"data:":
                 value = line[6:] if line[5:6] == b" " else line[5:]
                 pending = value if pending is None else pending + b"\n" + value
@@ -180,11 +205,15 @@ class StreamAssembler:
         self._chunk(chunk)
 
     def _chunk(self, chunk: Any) -> None:
+        """A whole chunk: checked, its envelope read when it may carry one, then its choice."""
         if type(chunk) is not dict:
             raise MalformedResponseError(f"stream chunk is a JSON {type(chunk).__name__}, expected an object")
-        if "error" in chunk or "usage" in chunk or not self.meta:
+        if not self.meta or "error" in chunk or "usage" in chunk:
             self._envelope(chunk)
-        choices = chunk.get("choices")
+        self._choice(chunk.get("choices"), chunk)
+
+    def _choice(self, choices: Any, chunk: dict[str, Any]) -> None:
+        """The first choice's delta into the text buffers, and its finish_reason."""
         if not choices:
             return
         try:
@@ -192,17 +221,19 @@ class StreamAssembler:
             delta = choice.get("delta")
             if delta:
                 piece = delta.get("reasoning")
-                if piece is None or (piece == "" and delta.get("reasoning_content")):  # "" must not hide it
-                    piece = delta.get("reasoning_content")
                 if piece:
-                    if self._reasoning is None:
-                        self._reasoning = bytearray()
-                    self._reasoning += piece.encode("utf-8", "surrogatepass")
-                elif piece == "" and self._reasoning is None:
-                    self._reasoning = bytearray()
+                    reasoning = self._reasoning
+                    if reasoning is None:
+                        reasoning = self._reasoning = bytearray()
+                    try:
+                        reasoning += piece.encode()
+                    except UnicodeEncodeError:  # a UTF-16 half, joined with its other half in `_text`
+                        reasoning += piece.encode("utf-8", "surrogatepass")
+                else:
+                    self._reasoning_content(delta, piece)
                 piece = delta.get("content")
                 if piece:
-                    self._content += piece.encode("utf-8", "surrogatepass")
+                    self._content += _utf8(piece)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
                 self._envelope(chunk)
@@ -210,6 +241,18 @@ class StreamAssembler:
             raise MalformedResponseError(f"stream chunk of an unexpected shape: {str(chunk)[:200]}") from exc
         if self.on_choice is not None:
             self.on_choice(choice)
+
+    def _reasoning_content(self, delta: dict[str, Any], piece: Any) -> None:
+        """A delta whose `reasoning` is missing, null or "": `reasoning_content` (vLLM's, SGLang's name) counts
+        then; "" must not hide it. An empty reasoning still makes the field present."""
+        if piece is None or (piece == "" and delta.get("reasoning_content")):
+            piece = delta.get("reasoning_content")
+        if piece:
+            if self._reasoning is None:
+                self._reasoning = bytearray()
+            self._reasoning += _utf8(piece)
+        elif piece == "" and self._reasoning is None:
+            self._reasoning = bytearray()
 
     def _envelope(self, chunk: dict[str, Any]) -> None:
         """What a chunk carries beside its delta: the id and provider (first seen wins), usage, an error. Read
@@ -241,6 +284,15 @@ class StreamAssembler:
         if self.usage is not None:
             body["usage"] = self.usage
         return body
+
+
+def _utf8(piece: str) -> bytes:
+    """A text piece for a field's buffer; a UTF-16 half (half a character, the rest in the next chunk) is kept as
+    its own code, to be joined in `_text`."""
+    try:
+        return piece.encode()
+    except UnicodeEncodeError:
+        return piece.encode("utf-8", "surrogatepass")
 
 
 def _loads_like_json(data: bytes) -> Any:
