@@ -131,6 +131,57 @@ def test_the_generation_id_is_reported_once_with_the_first_chunk_and_choices_rea
     assert reasoning == stream.body()["choices"][0]["message"]["reasoning"]
 
 
+def test_learned_shapes_read_exactly_what_parsing_reads() -> None:
+    """Chunks that look like the learned shapes but are not (both texts, empty reasoning beside reasoning_content,
+    other spacing, an extra field, a finish, the text repeated under another key) must give what parsing every
+    chunk gives (`on_choice` turns shapes off)."""
+    envelope = '{"id":"gen-1","provider":"P","model":"m","object":"chat.completion.chunk","created":1,"choices":'
+    deltas = [
+        {"role": "assistant", "content": "", "reasoning": 'Let "me" think', "reasoning_details": [{"text": "x"}]},
+        *(
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning": f" step {i} é \u00e9 \\ \n",
+                "reasoning_details": [{"text": "y"}],
+            }
+            for i in range(5)
+        ),
+        {"role": "assistant", "content": "both", "reasoning": " and"},
+        {"role": "assistant", "content": "", "reasoning": "", "reasoning_content": " via rc"},
+        {"role": "assistant", "content": "", "reasoning": "spaced", "reasoning_details": [{"text": "y"}]},
+        {"role": "assistant", "content": "", "reasoning": " plain", "reasoning_details": [{"text": "z"}]},
+        {"role": "assistant", "content": "", "reasoning": "\ud83d", "reasoning_details": [{"text": "\ud83d"}]},
+        {"role": "assistant", "content": "", "reasoning": "\ude42", "reasoning_details": [{"text": "\ude42"}]},
+        {"role": "assistant", "content": "Answer", "reasoning": None},
+        *({"role": "assistant", "content": f" {i}\t", "reasoning": None} for i in range(4)),
+        {"role": "assistant", "content": "Answer", "reasoning": None, "logprobs": {"content": []}},
+    ]
+    events = []
+    for i, delta in enumerate(deltas):
+        # ASCII-escaped or UTF-8 as it is, alternately; the UTF-16 halves can only be sent escaped.
+        escaped = i % 2 == 0 or i in (10, 11)
+        choice = json.dumps(
+            [{"index": 0, "delta": delta, "finish_reason": None}], separators=(",", ":"), ensure_ascii=escaped
+        )
+        if i == 8:
+            choice = choice.replace('"reasoning":"spaced"', '"reasoning": "spaced"')
+        events.append(f"data: {envelope}{choice}}}\n\n")
+    events.append(f'data: {envelope}[{{"index":0,"delta":{{"content":" end"}},"finish_reason":"stop"}}]}}\n\n')
+    events.append(f'data: {envelope}[],"usage":{{"prompt_tokens":3,"completion_tokens":9}}}}\n\ndata: [DONE]\n\n')
+    body = "".join(events).encode()
+    shaped, parsed = StreamAssembler(), StreamAssembler(on_choice=lambda choice: None)
+    for stream in (shaped, parsed):
+        stream.feed(body)
+        stream.close()
+    assert shaped._shapes and not parsed._shapes
+    assert shaped.body() == parsed.body()
+    message = shaped.body()["choices"][0]["message"]
+    assert message["reasoning"].startswith('Let "me" think step 0 é é \\ \n step 1')
+    assert message["reasoning"].endswith(" and via rcspaced plain\U0001f642")
+    assert message["content"] == "bothAnswer 0\t 1\t 2\t 3\tAnswer end"
+
+
 def test_values_orjson_refuses_are_parsed_as_json_does() -> None:
     stream = StreamAssembler()
     stream.feed(b'data: {"id":"g","choices":[{"delta":{"content":"a\\ud83d"},"finish_reason":null}],"x":NaN}\n\n')

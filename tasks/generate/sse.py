@@ -2,17 +2,26 @@
 returns, so streamed and non-streamed answers go through the same parsing and give the same row.
 
 Built for 10,000 long streams at once on two cores (`bench/stream_throughput.py`): `feed` takes whatever the
-socket gave and keeps only the unfinished end; each event is parsed once (orjson, with `json` for what orjson
-refuses, such as NaN or half of a UTF-16 pair; orjson's values are `json.loads`'s, but for integers beyond 64 bits,
-which it makes floats) and dropped; each text field has one UTF-8 buffer that grows in
-place and is decoded once, in `body()`. Nothing per event outlives its `feed`, and no piece is its own object.
+socket gave and keeps only the unfinished end; each event is read once and dropped; each text field is one buffer
+that grows in place, holding the text as the JSON string body it arrived as, decoded once in `body()` (so a
+character whose UTF-16 halves came in two chunks, from a server that cuts strings by code units, comes out whole,
+as in the non-streamed answer). Nothing per event outlives its `feed`, and no piece is its own object.
+
+Reading an event, cheapest first:
+- a stream repeats its envelope (id, provider, model, created) in every chunk, and most chunks have one of a few
+  shapes that differ only in their text. Both are learned from chunks that were fully parsed, and checked against
+  them: the envelope as a byte prefix, a shape as a pattern that is the chunk's exact bytes but for its text values,
+  each matching only a JSON string body. A chunk that starts with the envelope and matches a shape in full is
+  exactly that shape with other text; its text body is appended as it is;
+- otherwise the chunk is parsed with orjson (after the envelope when it starts with it), and with `json` when orjson
+  refuses it (NaN, half of a UTF-16 pair); orjson's values are `json.loads`'s but for integers beyond 64 bits, which
+  it makes floats.
 
 Wire format (the SSE spec, as OpenAI and OpenRouter use it): lines end with LF, CRLF or CR; the `data:` lines of
 one event are joined with LF, and the event is handled at the blank line that ends it (or at the end of the body);
 comment lines (OpenRouter's `: OPENROUTER PROCESSING`) and other fields are skipped; `data: [DONE]` ends the
 stream. Usage may come in the finish chunk or in a last chunk with no choices; a mid-stream failure is a chunk
-with an `error` object; a stream that ends without a finish_reason is truncated, whatever else arrived. UTF-16
-halves of one character sent in two chunks (a server that cuts strings by code units) are joined in `body()`.
+with an `error` object; a stream that ends without a finish_reason is truncated, whatever else arrived.
 """
 
 from __future__ import annotations
@@ -22,31 +31,40 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from orjson import dumps as _dumps
 from orjson import loads as _loads
 
 from tasks.generate.endpoints import MalformedResponseError
 
 ENVELOPE_KEYS = ("id", "provider", "model", "quantization")
 LEARN_TRIES = 4
+SHAPE_TRIES = 8
+MAX_SHAPES = 3
 # The learned envelope ends with the choices key; what follows is parsed as an object of its own.
 CHOICES_KEY = b',"choices":'
 REST_START = b'{"choices":'
-_SURROGATE = re.compile("[\ud800-\udfff]")
+# A JSON string token, and the body of one that is valid JSON (escapes checked, no raw control characters).
+_STRING_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BODY = rb'(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+'
 
 
 class StreamAssembler:
     """One stream's state. Hooks: `on_generation_id(id)` is called once, as soon as the generation id is known
     (the first chunk carries it), so the spend ledger records it before the answer ends; `on_choice(choice)` with
-    each chunk's first choice, the place to accumulate per-chunk fields such as logprobs."""
+    each chunk's first choice, parsed, the place to accumulate per-chunk fields such as logprobs (with it, every
+    chunk is parsed: shapes are not learned)."""
 
     __slots__ = (
         "_by_line",
         "_content",
         "_data",
+        "_has_reasoning",
         "_learn_left",
         "_open",
         "_prefix",
         "_reasoning",
+        "_shape_tries",
+        "_shapes",
         "_tail",
         "done",
         "error",
@@ -64,7 +82,8 @@ class StreamAssembler:
     ) -> None:
         self.on_generation_id = on_generation_id
         self.on_choice = on_choice
-        self._reasoning: bytearray | None = None  # None until a reasoning field arrives: then "" is an answer
+        self._reasoning = bytearray()  # JSON string bodies, as they arrived
+        self._has_reasoning = False  # a reasoning field arrived, if only "": then "" is the answer's reasoning
         self._content = bytearray()
         self._tail = b""
         self._by_line = False
@@ -72,6 +91,8 @@ class StreamAssembler:
         self._data: bytes | None = None
         self._prefix = b""
         self._learn_left = LEARN_TRIES
+        self._shapes: list[tuple[re.Pattern[bytes], bool]] = []
+        self._shape_tries = SHAPE_TRIES
         self.finish_reason: Any = None
         self.usage: dict[str, Any] | None = None
         self.meta: dict[str, Any] = {}
@@ -82,7 +103,7 @@ class StreamAssembler:
         """The next bytes of the body, cut anywhere.
 
         With LF line ends (OpenAI's, OpenRouter's) the bytes are split at LF, lines gather into an event until its
-        blank line, and an event that is one `data:` line (all of them, in practice) is parsed straight from that
+        blank line, and an event that is one `data:` line (all of them, in practice) is read straight from that
         line. A body with a CR anywhere is read by `_feed_lines`, any line end, from then on."""
         if self._tail:
             data = self._tail + data
@@ -99,6 +120,7 @@ class StreamAssembler:
         event = self._open
         prefix = self._prefix
         cut = len(prefix)
+        shapes = self._shapes
         for line in lines:
             if line:
                 event = line if event is None else event + b"\n" + line
@@ -108,13 +130,31 @@ class StreamAssembler:
             this, event = event, None
             # A ValueError: [DONE], several lines, or what orjson refuses; `_event_lines` sorts them out.
             if cut and this.startswith(prefix):
+                for shape, with_reasoning in shapes:
+                    found = shape.fullmatch(this, cut)
+                    if found is not None:
+                        reasoning, content = found.groups()
+                        if reasoning or not with_reasoning:  # an empty reasoning follows the general rules
+                            if reasoning:
+                                self._reasoning += reasoning
+                            if content:
+                                self._content += content
+                            break
+                else:
+                    found = None
+                if found is not None:
+                    continue
                 try:
                     chunk = _loads(REST_START + this[cut:])
                 except ValueError:
                     self._event_lines(this)
                     continue
                 if len(chunk) == 1:  # only "choices": the envelope is the learned one, nothing else rides along
-                    self._choice(chunk["choices"], chunk)
+                    choices = chunk["choices"]
+                    self._choice(choices, chunk)
+                    if self._shape_tries and self.on_choice is None:
+                        self._learn_shape(this, cut, choices)
+                        shapes = self._shapes
                     continue
             elif this[:6] == b"data: ":
                 try:
@@ -127,6 +167,8 @@ class StreamAssembler:
                 if self._learn_left and self._learn(this, chunk):
                     prefix = self._prefix
                     cut = len(prefix)
+            elif this[:1] == b":" and b"\n" not in this:
+                continue  # a comment, such as OpenRouter's keep-alive
             else:
                 self._event_lines(this)
                 continue
@@ -151,10 +193,10 @@ class StreamAssembler:
             self._event_lines(event)
 
     def _learn(self, event: bytes, chunk: Any) -> bool:
-        """Learn the stream's envelope: the bytes before `"choices"`, which every chunk of a stream repeats (id,
-        provider, model, created). A later event that starts with exactly these bytes is parsed from there on, as
-        `{"choices": ...}`, a fifth of the parsing saved; its envelope is the one already read. Kept only when the
-        two parts parse to exactly the whole chunk; tried again on a chunk that does not match, a few times."""
+        """Learn the stream's envelope: the bytes before `"choices"`, which every chunk of a stream repeats. A later
+        event that starts with exactly these bytes is read from there on, its envelope the one already read. Kept
+        only when the two parts parse to exactly the whole chunk; tried again on a chunk that does not match, a few
+        times."""
         self._learn_left -= 1
         at = event.find(CHOICES_KEY)
         if at < 7 or type(chunk) is not dict:
@@ -170,6 +212,48 @@ class StreamAssembler:
             return False
         self._prefix = event[: at + len(CHOICES_KEY)]
         return True
+
+    def _learn_shape(self, event: bytes, cut: int, choices: Any) -> None:
+        """Learn the shape of a chunk (after its envelope) whose only choice carries reasoning text or content
+        text and no finish_reason: its exact bytes with each string value equal to that text replaced by a JSON
+        string body pattern, capturing the one under the text's own key. Kept only when it matches the chunk it
+        was learned from and gives back its text."""
+        self._shape_tries -= 1
+        if len(self._shapes) >= MAX_SHAPES or type(choices) is not list or len(choices) != 1:
+            return
+        choice = choices[0]
+        delta = choice.get("delta") if type(choice) is dict else None
+        if type(delta) is not dict or choice.get("finish_reason") is not None or delta.get("reasoning_content"):
+            return
+        reasoning, content = delta.get("reasoning"), delta.get("content")
+        if type(reasoning) is str and reasoning and not content:
+            key, text = b'"reasoning"', reasoning
+        elif type(content) is str and content and not reasoning:
+            key, text = b'"content"', content
+        else:
+            return
+        rest = event[cut:]
+        parts: list[bytes] = [] if key == b'"reasoning"' else [b"()"]
+        captured, at, last_key = 0, 0, b""
+        for token in _STRING_TOKEN.finditer(rest):
+            start, end = token.span()
+            follows = rest[end : end + 1]
+            if follows == b":":
+                last_key = token.group()
+                continue
+            if follows not in (b",", b"}", b"]") or json.loads(token.group()) != text:
+                continue  # a literal (or spacing the shape would not match anyway)
+            parts += [re.escape(rest[at:start]), b'"(' + _BODY + b')"' if last_key == key else b'"' + _BODY + b'"']
+            captured += last_key == key
+            at = end
+        if captured != 1:
+            return
+        parts += [re.escape(rest[at:]), b"()" if key == b'"reasoning"' else b""]
+        shape = re.compile(b"".join(parts))
+        found = shape.fullmatch(event, cut)
+        if found is None or json.loads(b'"' + found.group(1 if key == b'"reasoning"' else 2) + b'"') != text:
+            return
+        self._shapes.append((shape, key == b'"reasoning"'))
 
     def _event_lines(self, event: bytes) -> None:
         """One whole event (LF line ends, without its blank line): its data lines joined, then handled."""
@@ -213,7 +297,9 @@ class StreamAssembler:
         self._choice(chunk.get("choices"), chunk)
 
     def _choice(self, choices: Any, chunk: dict[str, Any]) -> None:
-        """The first choice's delta into the text buffers, and its finish_reason."""
+        """The first choice's delta into the text buffers, and its finish_reason. `reasoning` counts when it is
+        text; when it is missing, null or "", `reasoning_content` (vLLM's, SGLang's name) does ("" must not hide
+        it), and an empty reasoning still makes the field present."""
         if not choices:
             return
         try:
@@ -221,19 +307,15 @@ class StreamAssembler:
             delta = choice.get("delta")
             if delta:
                 piece = delta.get("reasoning")
-                if piece:
-                    reasoning = self._reasoning
-                    if reasoning is None:
-                        reasoning = self._reasoning = bytearray()
-                    try:
-                        reasoning += piece.encode()
-                    except UnicodeEncodeError:  # a UTF-16 half, joined with its other half in `_text`
-                        reasoning += piece.encode("utf-8", "surrogatepass")
-                else:
-                    self._reasoning_content(delta, piece)
+                if piece is None or (piece == "" and delta.get("reasoning_content")):
+                    piece = delta.get("reasoning_content")
+                if piece is not None:
+                    self._has_reasoning = True
+                    if piece:
+                        self._reasoning += _body(piece)
                 piece = delta.get("content")
                 if piece:
-                    self._content += _utf8(piece)
+                    self._content += _body(piece)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
                 self._envelope(chunk)
@@ -241,18 +323,6 @@ class StreamAssembler:
             raise MalformedResponseError(f"stream chunk of an unexpected shape: {str(chunk)[:200]}") from exc
         if self.on_choice is not None:
             self.on_choice(choice)
-
-    def _reasoning_content(self, delta: dict[str, Any], piece: Any) -> None:
-        """A delta whose `reasoning` is missing, null or "": `reasoning_content` (vLLM's, SGLang's name) counts
-        then; "" must not hide it. An empty reasoning still makes the field present."""
-        if piece is None or (piece == "" and delta.get("reasoning_content")):
-            piece = delta.get("reasoning_content")
-        if piece:
-            if self._reasoning is None:
-                self._reasoning = bytearray()
-            self._reasoning += _utf8(piece)
-        elif piece == "" and self._reasoning is None:
-            self._reasoning = bytearray()
 
     def _envelope(self, chunk: dict[str, Any]) -> None:
         """What a chunk carries beside its delta: the id and provider (first seen wins), usage, an error. Read
@@ -275,7 +345,7 @@ class StreamAssembler:
 
     def body(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": _text(self._content)}
-        if self._reasoning is not None:
+        if self._has_reasoning:
             message["reasoning"] = _text(self._reasoning)
         body: dict[str, Any] = {
             **self.meta,
@@ -286,13 +356,14 @@ class StreamAssembler:
         return body
 
 
-def _utf8(piece: str) -> bytes:
-    """A text piece for a field's buffer; a UTF-16 half (half a character, the rest in the next chunk) is kept as
-    its own code, to be joined in `_text`."""
+def _body(piece: Any) -> bytes:
+    """A parsed text piece as a JSON string body, as the fast path keeps the ones it does not parse."""
+    if type(piece) is not str:
+        raise TypeError(f"text piece is a {type(piece).__name__}")
     try:
-        return piece.encode()
-    except UnicodeEncodeError:
-        return piece.encode("utf-8", "surrogatepass")
+        return _dumps(piece)[1:-1]
+    except TypeError:  # a UTF-16 half, which orjson refuses: escaped, it joins its other half in `_text`
+        return json.dumps(piece)[1:-1].encode()
 
 
 def _loads_like_json(data: bytes) -> Any:
@@ -305,8 +376,11 @@ def _loads_like_json(data: bytes) -> Any:
 
 
 def _text(buffer: bytearray) -> str:
-    """A field's UTF-8 buffer as text; UTF-16 halves that arrived in separate chunks become one character."""
-    text = buffer.decode("utf-8", "surrogatepass")
-    if b"\xed" in buffer and _SURROGATE.search(text):
-        text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+    """A field's JSON string bodies as text; invalid UTF-8 is replaced, as the non-streaming path does."""
+    try:
+        text = json.loads('"' + buffer.decode("utf-8", errors="replace") + '"')
+    except ValueError as exc:
+        raise MalformedResponseError(f"streamed text is not a JSON string: {exc}") from exc
+    if not isinstance(text, str):
+        raise MalformedResponseError("streamed text is not a JSON string")
     return text
