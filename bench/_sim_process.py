@@ -250,12 +250,12 @@ def tokenizer_dir(root: Path) -> Path:
 
 
 def pipeline_config(run_dir: Path, base_url: str, model_dir: Path, **endpoint: Any) -> PipelineConfig:
-    """An openai_chat `PipelineConfig` aimed at the simulator; `endpoint` overrides EndpointConfig fields."""
+    """An openai_chat `PipelineConfig` aimed at the simulator; `endpoint` overrides EndpointConfig fields. Not
+    streaming unless `stream=True` is given (openai_chat's default streams): raw aiohttp reads one JSON body."""
+    fields = {"kind": "openai_chat", "base_url": base_url, "model": "sim/deepseek-v4-sim", "stream": False}
     return PipelineConfig(
         run_dir=run_dir,
         datasets=[DatasetConfig(name="bench", path=model_dir)],
-        endpoint=EndpointConfig(
-            **{"kind": "openai_chat", "base_url": base_url, "model": "sim/deepseek-v4-sim", **endpoint}
-        ),
+        endpoint=EndpointConfig(**{**fields, **endpoint}),
         tokenizer=TokenizerConfig(path=model_dir),
     )

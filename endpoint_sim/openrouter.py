@@ -7,12 +7,14 @@ thousands of them in flight on two cores.
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 from dataclasses import dataclass, replace
 from typing import Any
 
 from endpoint_sim.responder import Responder, SimConfig, SimSample
+from tasks.generate.token_bytes import entry, token_bytes_index
 
 COMMENT = ": OPENROUTER PROCESSING\n\n"
 DONE = "data: [DONE]\n\n"
@@ -46,10 +48,13 @@ class ChatMeta:
 
 def chat_answer(responder: Responder, sample: SimSample, ids: tuple[int, ...], finish: str) -> ChatAnswer:
     """The answer for the ids actually generated: the whole sample, or the texts of a max_tokens cut."""
-    if finish == "stop":
+    if finish == "stop" and sample.finished:
         return ChatAnswer(sample.reasoning, sample.content, len(ids), sample.reasoning_tokens, finish)
-    if responder.reasoning_close_id in ids:
-        cut = ids.index(responder.reasoning_close_id)
+    close = responder.reasoning_close_id
+    if close is None:
+        return ChatAnswer("", responder.decode(ids), len(ids), 0, finish)
+    if close in ids:
+        cut = ids.index(close)
         return ChatAnswer(responder.decode(ids[:cut]), responder.decode(ids[cut + 1 :]), len(ids), cut, finish)
     return ChatAnswer(responder.decode(ids), "", len(ids), len(ids), finish)
 
@@ -59,7 +64,8 @@ def partial_answer(responder: Responder, answer: ChatAnswer) -> ChatAnswer:
     if not answer.content:
         return replace(answer, finish="error")
     content = answer.content[: len(answer.content) // 2]
-    tokens = answer.reasoning_tokens + 1 + len(responder.prompt_ids_for_text(content))
+    close = 1 if responder.reasoning_close_id is not None else 0
+    tokens = answer.reasoning_tokens + close + len(responder.prompt_ids_for_text(content))
     return ChatAnswer(answer.reasoning, content, tokens, answer.reasoning_tokens, "error")
 
 
@@ -88,21 +94,57 @@ def usage(cfg: SimConfig, prompt_tokens: int, answer: ChatAnswer) -> dict[str, A
     return out
 
 
-def completion_body(meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class TokenPiece:
+    """One generated token as a stream chunk carries it: the text it completes (a token ending inside a multi-byte
+    character completes none; the next one carries the character) and its logprobs entry."""
+
+    field: str
+    text: str
+    entry: dict[str, Any]
+
+
+def token_pieces(responder: Responder, sample: SimSample, ids: tuple[int, ...], finish: str) -> list[TokenPiece]:
+    """The answer's generated ids (the end of turn left out, as OpenAI-style logprobs do) as per-token pieces: the
+    reasoning's, then `</think>` (its entry in an empty content delta), then the content's."""
+    index = token_bytes_index(responder.tokenizer)
+    body = ids[:-1] if finish == "stop" and ids and ids[-1] == responder.eos_id else ids
+    close = responder.reasoning_close_id
+    cut = body.index(close) if close is not None and close in body else (len(body) if close is not None else -1)
+    lps = sample.logprobs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces = []
+    for j, token_id in enumerate(body):
+        raw = index.bytes_of.get(token_id, b"")
+        field = "reasoning" if j < cut else "content"
+        text = "" if j == cut else decoder.decode(raw)
+        token = raw.decode("utf-8", errors="replace")
+        pieces.append(TokenPiece(field, text, entry(token, raw, lps[j] if lps is not None else 0.0)))
+    tail = decoder.decode(b"", final=True)
+    if tail and pieces:
+        last = pieces[-1]
+        pieces[-1] = TokenPiece(last.field, last.text + tail, last.entry)
+    return pieces
+
+
+def completion_body(
+    meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any], pieces: list[TokenPiece] | None = None
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": answer.content, "reasoning": answer.reasoning},
+        "finish_reason": answer.finish,
+        "native_finish_reason": answer.finish,
+    }
+    if pieces is not None:
+        choice["logprobs"] = {"content": [p.entry for p in pieces], "refusal": None}
     return {
         "id": meta.id,
         "provider": meta.provider,
         "model": meta.model,
         "object": "chat.completion",
         "created": meta.created,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": answer.content, "reasoning": answer.reasoning},
-                "finish_reason": answer.finish,
-                "native_finish_reason": answer.finish,
-            }
-        ],
+        "choices": [choice],
         "usage": usage_,
     }
 
@@ -159,21 +201,36 @@ class StreamFrames:
         return self.frames(self.deltas[:half], [following[: len(following) // 2]])
 
 
-def stream_frames(meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any] | None, key: str) -> StreamFrames:
+def stream_frames(
+    meta: ChatMeta,
+    answer: ChatAnswer,
+    usage_: dict[str, Any] | None,
+    key: str,
+    pieces: list[TokenPiece] | None = None,
+) -> StreamFrames:
+    """With `pieces` (logprobs requested) one chunk per generated token, each with its logprobs entry, as serving
+    stacks stream; otherwise 6-12 text pieces per field."""
     prefix = (
         f'data: {{"id":{_dumps(meta.id)},"provider":{_dumps(meta.provider)},"model":{_dumps(meta.model)},'
         f'"object":"chat.completion.chunk","created":{meta.created},'
     )
-    n_reasoning, n_content = piece_counts(key)
-    deltas = [
-        f'{prefix}"choices":[{{"index":0,"delta":{{"role":"assistant","reasoning":{_dumps(piece)}}},'
-        '"finish_reason":null}]}\n\n'
-        for piece in split_pieces(answer.reasoning, n_reasoning)
-    ]
-    deltas += [
-        f'{prefix}"choices":[{{"index":0,"delta":{{"content":{_dumps(piece)}}},"finish_reason":null}}]}}\n\n'
-        for piece in split_pieces(answer.content, n_content)
-    ]
+    if pieces is not None:
+        deltas = [
+            f'{prefix}"choices":[{{"index":0,"delta":{{{_dumps(p.field)}:{_dumps(p.text)}}},'
+            f'"logprobs":{{"content":[{_dumps(p.entry)}]}},"finish_reason":null}}]}}\n\n'
+            for p in pieces
+        ]
+    else:
+        n_reasoning, n_content = piece_counts(key)
+        deltas = [
+            f'{prefix}"choices":[{{"index":0,"delta":{{"role":"assistant","reasoning":{_dumps(piece)}}},'
+            '"finish_reason":null}]}\n\n'
+            for piece in split_pieces(answer.reasoning, n_reasoning)
+        ]
+        deltas += [
+            f'{prefix}"choices":[{{"index":0,"delta":{{"content":{_dumps(piece)}}},"finish_reason":null}}]}}\n\n'
+            for piece in split_pieces(answer.content, n_content)
+        ]
     reason = _dumps(answer.finish)
     finish = (
         f'{prefix}"choices":[{{"index":0,"delta":{{}},"finish_reason":{reason},"native_finish_reason":{reason}}}]}}\n\n'

@@ -7,6 +7,12 @@ requests fail and how; `request_latency_s` and `scheduled_failure` in `endpoint_
 
 Handler work is kept small for high concurrency: tokenizer work is cached per prompt key in the `Responder`,
 and nothing is logged per request.
+
+Billing is the provider's (`endpoint_sim.billing`): every completion is billed when its answer is produced, and
+a client that goes away mid-generation (a cut stream, a timeout, a killed client) is billed for the prompt and
+the completion tokens generated until then, as OpenRouter bills a cancelled stream. The injected latency is the
+generation time; a stream sends its headers (`X-Generation-Id`) and a first chunk carrying the id at once.
+With a billing file the bill survives a restart of the simulator on the same port; `GET /api/v1/key` reads it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,6 +36,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from endpoint_sim.billing import Bill, BillingLedger
 from endpoint_sim.generations import Generation, GenerationStore
 from endpoint_sim.openrouter import (
     ChatAnswer,
@@ -41,6 +48,7 @@ from endpoint_sim.openrouter import (
     empty_answer,
     partial_answer,
     stream_frames,
+    token_pieces,
     usage,
     without_reasoning,
 )
@@ -60,6 +68,8 @@ LISTEN_BACKLOG = 8192
 SHUTDOWN_TIMEOUT_S = 1.0
 INVALID_JSON_BODY = "<html><body>502 Bad Gateway</body></html>"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+GENERATION_ID_HEADER = "X-Generation-Id"
+KEY_LABEL = "sk-or-v1-sim...key"
 # Failure kinds that replace the whole response; the others change the answer inside a 200.
 _RESPONSE_KINDS = frozenset({"http", "context_length", "error_body", "invalid_json", "echo_key", "reset", "disconnect"})
 
@@ -67,7 +77,7 @@ _RESPONSE_KINDS = frozenset({"http", "context_length", "error_body", "invalid_js
 class SimState:
     """Mutable server state; touched only from the server's event loop thread."""
 
-    def __init__(self, responder: Responder) -> None:
+    def __init__(self, responder: Responder, billing_file: Path | None = None) -> None:
         self.responder = responder
         self.config = responder.config
         self.total_requests = 0
@@ -82,9 +92,15 @@ class SimState:
         self.rate_limited = 0
         self.generations = GenerationStore(self.config.generation_store_size)
         self.handlers: set[asyncio.Task[Any]] = set()
-        # The provider's own billing ledger: (generation id, prompt key, cost, time.monotonic() when billed),
-        # one per billed completion, never reset: what a test compares a run directory's spend ledger with.
-        self.billing: list[tuple[str, str, float, float]] = []
+        # The provider's own bill, never reset: what a test compares a run directory's spend ledger with. A
+        # restarted simulator reads it back, with its generation records, and numbers attempts on from it.
+        self.billing = BillingLedger(billing_file)
+        for bill in self.billing.bills:
+            self.generations.add(_generation(bill, 0.0, 0.0))
+
+    def key_usage_usd(self, lag_s: float | None = None) -> float:
+        lag = self.config.account_usage_lag_s if lag_s is None else lag_s
+        return self.billing.usage_usd(time.monotonic(), lag)
 
     def probe_unavailable(self) -> bool:
         self.probes += 1
@@ -125,11 +141,12 @@ class SimState:
         return out
 
     def count(self, route: str, key: str) -> int:
-        """Record one request for `key`; returns its attempt number (1-based) as this server saw it."""
+        """Record one request for `key`; returns its attempt number (1-based) as this server saw it, offset by
+        boot x 1,000,000 for a simulator restarted on a billing file (`endpoint_sim.billing`)."""
         self.total_requests += 1
         self.by_route[route] += 1
         self.by_key[key] += 1
-        return self.by_key[key]
+        return self.billing.attempt_base + self.by_key[key]
 
     def respond(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
         label = str(status) if status != 200 or "error" not in body else "200_error_body"
@@ -238,10 +255,11 @@ def _int_or_none(value: Any, name: str) -> int | None:
 
 
 def _truncate(sample: SimSample, limit: int | None) -> tuple[tuple[int, ...], str]:
-    """The ids actually "generated" under a token limit, and the finish reason."""
+    """The ids actually "generated" under a token limit, and the finish reason (a model-backed decode that hit
+    its own token cap before its end of turn is a "length" answer too)."""
     if limit is not None and len(sample.output_ids) > limit:
         return sample.output_ids[:limit], "length"
-    return sample.output_ids, "stop"
+    return sample.output_ids, "stop" if sample.finished else "length"
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,53 +287,120 @@ async def _admit(
     prompt_ids: tuple[int, ...],
     seed: int | None,
     limit: int | None,
+    routing: Any = None,
 ) -> web.Response | Admitted:
-    """What both routes do once a request parsed: count the attempt, apply auth, sleep the injected latency,
-    then either answer with the scheduled failure (a response) or draw the sample and cut it at the limit."""
+    """What both routes do once a request parsed: count the attempt, apply auth, then either answer with the
+    scheduled failure after the injected latency (a response), or draw the sample and cut it at the limit; the
+    route then spends the latency generating it (`_generating`). `routing` is the request's OpenRouter
+    `provider` object, for a responder serving several providers (`endpoint_sim.providers.ProviderPool`)."""
     started = time.perf_counter()
     key = state.responder.key(prompt_ids, seed)
     attempt = state.count(route, key)
     auth = _auth_error(state.config, request)
     if auth is not None:
         return state.respond(401, _error(401, auth))
+    limit_usd = state.config.key_limit_usd
+    if limit_usd is not None and state.key_usage_usd(0.0) >= limit_usd:
+        return state.respond(402, _error(402, f"simulated: key limit of {limit_usd:g} USD reached"))
+    pick = getattr(state.responder, "pick", None)  # endpoint_sim.providers.ProviderPool
+    sample_args: tuple[Any, ...] = (prompt_ids, seed, key)
+    if pick is not None:
+        try:
+            pick(key, routing)
+        except LookupError as exc:
+            return state.respond(404, _error(404, str(exc)))
+        sample_args = (*sample_args, routing)
     delay = state.latency(key, attempt)
-    if delay > 0:
-        await asyncio.sleep(delay)
     rule = state.failure_rule(key, attempt)
     if rule is not None:
         state.injected[f"http_{rule.status}" if rule.kind == "http" else rule.kind] += 1
         if rule.kind in _RESPONSE_KINDS:
+            if delay > 0:
+                await asyncio.sleep(delay)
             return _failure_response(state, request, rule, attempt, len(prompt_ids))
-    if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: a real decode, off the loop
-        sample = await asyncio.to_thread(state.responder.sample, prompt_ids, seed, key)
+    if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: batched, off the loop
+        sample = await state.responder.sample_async(*sample_args)  # type: ignore[attr-defined]
     else:
-        sample = state.responder.sample(prompt_ids, seed, key)
+        sample = state.responder.sample(*sample_args)
     ids, finish = _truncate(sample, limit)
     return Admitted(key, attempt, sample, ids, finish, rule, started, delay)
 
 
 def _record(
+    state: SimState,
+    admitted: Admitted,
+    meta: ChatMeta,
+    prompt_tokens: int,
+    billed: ChatAnswer,
+    streamed: bool,
+    cut: bool = False,
+) -> None:
+    bill = Bill(
+        id=meta.id,
+        key=admitted.key,
+        cost_usd=cost_usd(state.config, prompt_tokens, billed.completion_tokens),
+        billed_at=time.monotonic(),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=billed.completion_tokens,
+        reasoning_tokens=billed.reasoning_tokens,
+        provider=meta.provider,
+        model=meta.model,
+        finish_reason=billed.finish,
+        streamed=streamed,
+        cut=cut,
+    )
+    state.billing.add(bill)
+    state.generations.add(_generation(bill, admitted.latency_s, time.perf_counter() - admitted.started))
+
+
+def _generation(bill: Bill, latency_s: float, generation_s: float) -> Generation:
+    return Generation(
+        id=bill.id,
+        cost_usd=bill.cost_usd,
+        provider=bill.provider,
+        model=bill.model,
+        prompt_tokens=bill.prompt_tokens,
+        completion_tokens=bill.completion_tokens,
+        reasoning_tokens=bill.reasoning_tokens,
+        finish_reason=bill.finish_reason,
+        latency_ms=latency_s * 1000,
+        generation_time_ms=generation_s * 1000,
+        streamed=bill.streamed,
+        completed_at=bill.billed_at,
+    )
+
+
+def _bill_cut(
+    state: SimState,
+    admitted: Admitted,
+    meta: ChatMeta,
+    prompt_tokens: int,
+    billed: ChatAnswer,
+    streamed: bool,
+    fraction: float,
+) -> None:
+    """The client went away mid-generation: bill the prompt and the completion tokens generated until then."""
+    if state.config.bill_cancelled:
+        tokens = int(billed.completion_tokens * min(max(fraction, 0.0), 1.0))
+        cut = replace(billed, completion_tokens=tokens, reasoning_tokens=min(tokens, billed.reasoning_tokens))
+        _record(state, admitted, meta, prompt_tokens, replace(cut, finish="cancelled"), streamed, cut=True)
+
+
+async def _generating(
     state: SimState, admitted: Admitted, meta: ChatMeta, prompt_tokens: int, billed: ChatAnswer, streamed: bool
 ) -> None:
-    now = time.perf_counter()
-    cost = cost_usd(state.config, prompt_tokens, billed.completion_tokens)
-    state.billing.append((meta.id, admitted.key, cost, time.monotonic()))
-    state.generations.add(
-        Generation(
-            id=meta.id,
-            cost_usd=cost,
-            provider=meta.provider,
-            model=meta.model,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=billed.completion_tokens,
-            reasoning_tokens=billed.reasoning_tokens,
-            finish_reason=billed.finish,
-            latency_ms=admitted.latency_s * 1000,
-            generation_time_ms=(now - admitted.started) * 1000,
-            streamed=streamed,
-            completed_at=time.monotonic(),
+    """The injected latency, spent generating: a client that goes away meanwhile (the handler is cancelled) is
+    billed for what was generated by then."""
+    if admitted.latency_s <= 0:
+        return
+    began = time.monotonic()
+    try:
+        await asyncio.sleep(admitted.latency_s)
+    except asyncio.CancelledError:
+        _bill_cut(
+            state, admitted, meta, prompt_tokens, billed, streamed, (time.monotonic() - began) / admitted.latency_s
         )
-    )
+        raise
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -374,9 +459,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens = _int_or_none(body.get("max_tokens", body.get("max_completion_tokens")), "max_tokens")
     except ValueError as exc:
         return state.respond(400, _error(400, str(exc)))
+    want_logprobs = body.get("logprobs") is True
     responder = state.responder
     prompt_ids = responder.prompt_ids_for_messages(messages)
-    admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens)
+    admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens, body.get("provider"))
     if isinstance(admitted, web.Response):
         return admitted
     cfg = state.config
@@ -389,20 +475,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gen_id = f"gen-{admitted.attempt}-{admitted.key}"
     meta = ChatMeta(gen_id, admitted.sample.provider, cfg.model_name, int(time.time()))
     usage_ = usage(cfg, len(prompt_ids), billed)
+    # Per-token logprobs with bytes (OpenAI's shape) for a whole answer; a broken one carries none.
+    whole = kind is None or kind == "hang"
+    pieces = (
+        token_pieces(responder, admitted.sample, admitted.ids, admitted.finish) if want_logprobs and whole else None
+    )
     if stream:
         options = body.get("stream_options")
         include_usage = not (isinstance(options, dict) and options.get("include_usage") is False)
-        frames = stream_frames(meta, shown, usage_ if include_usage else None, admitted.key)
+        frames = stream_frames(meta, shown, usage_ if include_usage else None, admitted.key, pieces)
         return await _stream(state, request, admitted, meta, frames, len(prompt_ids), billed)
+    await _generating(state, admitted, meta, len(prompt_ids), billed, streamed=False)
     if admitted.rule is not None and kind == "hang":
         await asyncio.sleep(admitted.rule.hang_s)
-    out = completion_body(meta, shown, usage_)
+    out = completion_body(meta, shown, usage_, pieces)
     _record(state, admitted, meta, len(prompt_ids), billed, streamed=False)
     if kind == "truncated_json":
         return _truncated_json(state, out)
     if kind == "midstream_reset":
         return await _reset_midway(state, request, json.dumps(out).encode())
-    return state.respond(200, out)
+    return state.respond(200, out, {GENERATION_ID_HEADER: meta.id} if cfg.generation_id_header else None)
 
 
 def _billed_answer(responder: Responder, full: ChatAnswer, kind: str | None) -> ChatAnswer:
@@ -441,21 +533,40 @@ async def _stream(
         frames = source.first_half()
     else:
         frames = source.complete()
-    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    headers = {**SSE_HEADERS, GENERATION_ID_HEADER: meta.id} if state.config.generation_id_header else SSE_HEADERS
+    response = web.StreamResponse(status=200, headers=headers)
     await response.prepare(request)
     state.by_status["200"] += 1
+    # The keep-alive comment and the first token go out as generation starts; the rest once it is done.
+    early = 2 if source.deltas and len(frames) > 1 and frames[1] == source.deltas[0] else 1
+    try:
+        await response.write("".join(frames[:early]).encode())
+    except ConnectionResetError:  # the client left before generation started: nothing to bill
+        return response
+    frames = frames[early:]
+    await _generating(state, admitted, meta, prompt_tokens, billed, streamed=True)
     if admitted.rule is not None and kind == "hang":
-        await response.write("".join(frames[:2]).encode())
         await asyncio.sleep(admitted.rule.hang_s)
-        frames = frames[2:]
     delay = state.config.stream_chunk_delay_s
     if delay > 0:
-        for frame in frames[:-1]:
-            await response.write(frame.encode())
-            await asyncio.sleep(delay)
+        sent = 0
+        try:
+            for frame in frames[:-1]:
+                await response.write(frame.encode())
+                sent += 1
+                await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            _bill_cut(state, admitted, meta, prompt_tokens, billed, True, sent / len(frames))
+            raise
+        except ConnectionResetError:
+            _bill_cut(state, admitted, meta, prompt_tokens, billed, True, sent / len(frames))
+            return response
         frames = frames[-1:]
     _record(state, admitted, meta, prompt_tokens, billed, streamed=True)
-    await response.write("".join(frames).encode())
+    try:
+        await response.write("".join(frames).encode())
+    except ConnectionResetError:  # billed above: the answer was generated, the client left before reading it
+        return response
     if kind == "midstream_reset":
         _abort(request, rst=True)
         return response
@@ -504,13 +615,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         out_text = responder.decode(ids, skip)
         reason = {"type": "length", "length": len(ids)}
+    meta = ChatMeta(f"{attempt}-{key}", sample.provider, state.config.model_name, int(time.time()))
+    billed = ChatAnswer("", "", len(ids), 0, str(reason["type"]))
+    await _generating(state, admitted, meta, len(prompt_ids), billed, streamed=False)
     if admitted.rule is not None and kind == "hang":
         await asyncio.sleep(admitted.rule.hang_s)
+    _record(state, admitted, meta, len(prompt_ids), billed, streamed=False)
     out = {
         "text": out_text,
         "output_ids": list(ids),
         "meta_info": {
-            "id": f"{attempt}-{key}",
+            "id": meta.id,
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(ids),
             "cached_tokens": 0,
@@ -596,8 +711,33 @@ async def sim_config(request: web.Request) -> web.Response:
 
 
 def billing_ledger(state: SimState) -> dict[str, Any]:
-    records = [{"id": i, "key": k, "cost_usd": c, "billed_at": t} for i, k, c, t in state.billing]
-    return {"records": records, "total_usd": sum(c for _, _, c, _ in state.billing)}
+    return state.billing.to_dict()
+
+
+async def key_info(request: web.Request) -> web.Response:
+    """OpenRouter's current-key record: the account's usage (with the configured lag) and limit."""
+    state = request.app[STATE]
+    state.by_route["key"] += 1
+    auth = _auth_error(state.config, request)
+    if auth is not None:
+        return web.json_response(_error(401, auth), status=401)
+    usage = state.key_usage_usd()
+    limit = state.config.key_limit_usd
+    data = {
+        "label": KEY_LABEL,
+        "usage": usage,
+        "usage_daily": usage,
+        "usage_weekly": usage,
+        "usage_monthly": usage,
+        "limit": limit,
+        "limit_remaining": None if limit is None else max(0.0, limit - usage),
+        "limit_reset": None,
+        "include_byok_in_limit": False,
+        "is_free_tier": False,
+        "is_provisioning_key": False,
+        "rate_limit": {"requests": -1, "interval": "10s"},
+    }
+    return web.json_response({"data": data})
 
 
 async def sim_ledger(request: web.Request) -> web.Response:
@@ -620,6 +760,8 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_post("/generate", _completion_route("generate", generate))
     app.router.add_get("/api/v1/generation", generation_lookup)
     app.router.add_get("/v1/generation", generation_lookup)
+    app.router.add_get("/api/v1/key", key_info)
+    app.router.add_get("/v1/key", key_info)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/api/v1/models", openrouter_models)
@@ -652,10 +794,13 @@ class SimulatorServer:
         host: str = "127.0.0.1",
         port: int = 0,
         responder: Responder | None = None,
+        billing_file: Path | None = None,
     ) -> None:
-        """`responder`: answer with this one instead of a fresh `Responder` (e.g. `model_backend.ModelResponder`)."""
+        """`responder`: answer with this one instead of a fresh `Responder` (e.g. `model_backend.ModelResponder`).
+        `billing_file`: keep the bill there, so a simulator started on it again continues it."""
         self.model_dir = Path(model_dir)
         self._responder = responder
+        self.billing_file = billing_file
         self._config = config or SimConfig()
         self.host = host
         self._port = port
@@ -683,7 +828,7 @@ class SimulatorServer:
     def start(self) -> SimulatorServer:
         if self._thread is not None:
             raise RuntimeError("simulator already started")
-        self._state = SimState(self._responder or Responder(self.model_dir, self._config))
+        self._state = SimState(self._responder or Responder(self.model_dir, self._config), self.billing_file)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="endpoint-sim", daemon=True)
         self._thread.start()
@@ -718,6 +863,7 @@ class SimulatorServer:
             self._state.cancel_handlers()
             loop.run_until_complete(runner.cleanup())
             loop.close()
+            self._state.billing.close()
 
     def stop(self) -> None:
         if self._thread is None or self._loop is None:
@@ -783,14 +929,21 @@ class SimulatorServer:
 
 
 def serve_forever(
-    model_dir: Path | str, config: SimConfig, host: str, port: int, port_file: Path | None = None
+    model_dir: Path | str,
+    config: SimConfig,
+    host: str,
+    port: int,
+    port_file: Path | None = None,
+    responder: Responder | None = None,
+    billing_file: Path | None = None,
 ) -> None:
     """Foreground server for `python -m endpoint_sim` (benchmarks, manual runs) until SIGINT or SIGTERM.
 
     With `port_file`, the bound port (useful with port 0) is written there atomically once the server listens,
-    so a parent process can wait for the file instead of polling the socket.
+    so a parent process can wait for the file instead of polling the socket. With `billing_file`, the bill
+    survives a restart (killed or not) on it.
     """
-    state = SimState(Responder(model_dir, config))
+    state = SimState(responder or Responder(model_dir, config), billing_file)
     asyncio.run(_serve_until_signal(state, f"endpoint-sim serving {model_dir}", host, port, port_file))
 
 

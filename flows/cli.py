@@ -12,20 +12,25 @@ Start with `eagle3-datagen demo` (a local simulated endpoint, nothing to configu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
-import os
-import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from importlib import resources
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from flows import cli_common
+from flows.cli_common import (
+    demo_config_path,
+    demo_dirs,
+    heartbeats_only_for_a_server,
+    prefect_env,
+    print_demo_summary,
+    print_run_summary,
+    quiet_prefect_console,
+)
 from flows.exit_codes import ExitCode, error_line, exit_code_for, exit_code_table
 
 if TYPE_CHECKING:
@@ -33,50 +38,7 @@ if TYPE_CHECKING:
     from tasks.generate.engine import GenerateSummary
     from tasks.generate.progress import Listener
 
-PREFECT_DEFAULTS = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_UI_ENABLED": "false",
-}
-
-
-DEBUG = False
-"""Set by `--debug`: errors come with their traceback and Prefect's own log is left as it is."""
-
-
-def _prefect_env() -> None:
-    for key, value in PREFECT_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    if not DEBUG:  # the run's log goes to stdout; stderr carries only the one-line error, if any
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_STREAM", "ext://sys.stdout")
-
-
-@contextlib.contextmanager
-def _heartbeats_only_for_a_server() -> Iterator[None]:
-    """Flow-run heartbeats let a Prefect server mark a run whose process died as crashed. Without
-    PREFECT_API_URL the run has a temporary server of its own that dies with it: nobody is told, and every flow
-    run would wait up to a second at its end for the heartbeat thread. With a server, they stay on."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    if PREFECT_API_URL.value():
-        yield
-        return
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
-
-
-class _NoTraceback(logging.Filter):
-    """Prefect logs every failed task with its traceback; the console shows the message, the API keeps it all."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.exc_info = None
-        record.exc_text = None
-        return True
-
-
-def _quiet_prefect_console() -> None:
-    if not DEBUG:
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(_NoTraceback())
+__all__ = ["demo_config_path", "main", "print_demo_summary", "print_run_summary"]
 
 
 def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -91,56 +53,76 @@ def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def demo_config_path() -> Path:
-    return Path(str(resources.files("flows").joinpath("configs/demo.yaml")))
+DEMO_RUN_DIR = "runs/demo"
+REAL_DEMO_RUN_DIR = "runs/demo-real"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _prefect_env()
+    prefect_env()
     overrides = _parse_overrides(args.set or [])
     config_path = Path(args.config).resolve()
     if not args.endpoint_block:  # a config mistake is reported before a Prefect server is started for nothing
         from tasks.common.config import load_config
 
-        _preflight(load_config(config_path, overrides), probe=not args.dry_run)
+        _prepare_then_wait(load_config(config_path, overrides), probe=not args.dry_run)
     from flows.params import RunParameters
     from flows.pipeline import pipeline
 
-    _quiet_prefect_console()
+    quiet_prefect_console()
     run = RunParameters(
         config_path=str(config_path), overrides=overrides, endpoint_block=args.endpoint_block, dry_run=args.dry_run
     )
     from tasks.generate.progress_display import show_progress
 
     started = time.monotonic()
-    with show_progress(enabled=not args.no_progress), _heartbeats_only_for_a_server():
+    with show_progress(enabled=not args.no_progress), heartbeats_only_for_a_server():
         stats = pipeline(run)
     if stats.get("dry_run"):
         print(stats["estimate"]["text"])
         return ExitCode.OK
     print_run_summary(stats, time.monotonic() - started, "eagle3-datagen run")
+    _announce_pending(stats["generate"]["total"].get("spend") or {}, stats["config"]["endpoint"]["account_settlement"])
     _announce_quarantine(Path(stats["run_dir"]))
     if stats.get("status", {}).get("problems"):
         print("stages disagree: " + "; ".join(stats["status"]["problems"]), file=sys.stderr)
     if stats.get("stopped") == "budget":
         from tasks.generate.engine import budget_stop_message
 
-        spent = stats["generate"]["total"]["run_dir_spent_usd"]
-        print(budget_stop_message(spent, stats["config"]["endpoint"]["max_cost_usd"]), file=sys.stderr)
+        total = stats["generate"]["total"]
+        cap = stats["config"]["endpoint"]["max_cost_usd"]
+        print(budget_stop_message(total["run_dir_counted_usd"], cap, total["run_dir_pending_usd"]), file=sys.stderr)
         return EXIT_BUDGET
     return ExitCode.OK
 
 
-def _preflight(cfg: PipelineConfig, probe: bool) -> None:
-    """Inputs exist, the run directory is writable, the endpoint answers: before anything starts."""
+def _preflight(cfg: PipelineConfig) -> None:
+    """Inputs exist and the run directory is writable: before anything starts."""
     from tasks.common.preflight import check_inputs, check_run_dir_writable
 
     check_inputs(cfg)
     check_run_dir_writable(cfg.run_dir)
-    if probe:
-        from tasks.generate.preflight import wait_for_endpoint
 
-        wait_for_endpoint(cfg.endpoint)  # an endpoint that is down is waited for up to endpoint.outage_abort_s
+
+def _tell(line: str) -> None:
+    """A line about what the command is waiting for, at once, on stdout with the run's log (stderr carries only
+    the one-line error, if any)."""
+    print(line, flush=True)
+
+
+def _prepare_then_wait(cfg: PipelineConfig, probe: bool) -> None:
+    """What `run` settles before it starts Prefect, in this order: the inputs (files, then rows: a dataset that is
+    empty or all quarantined is one line and exit 2 at once), then, only when something is left to send, the
+    endpoint, waited for up to endpoint.outage_abort_s with a line saying so right away. Preparing here is the
+    pipeline's own prepare step (append-only parts), which then finds them done."""
+    from tasks.prepare.datasets import prepare_datasets
+    from tasks.status.sending import parts_to_send
+
+    _preflight(cfg)
+    parts = prepare_datasets(cfg).parts
+    if probe and parts_to_send(cfg, parts):
+        from tasks.generate.endpoint_wait import wait_for_endpoint
+
+        wait_for_endpoint(cfg.endpoint, announce=_tell)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -168,29 +150,24 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def demo_dirs(args: argparse.Namespace) -> tuple[Path, Path]:
-    """The demo's run directory (emptied first with --fresh) and its tiny target model, built once under
-    --assets-dir; shared by `demo` and `demo --train`."""
-    from endpoint_sim.assets import ensure_tiny_model_dir
-
-    run_dir = Path(args.run_dir).resolve()
-    if args.fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
-    return run_dir, ensure_tiny_model_dir(Path(args.assets_dir).resolve() / "tiny-deepseek-v31")
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.real:
+        from flows.real_demo import cmd_demo_real
+
+        if args.run_dir == DEMO_RUN_DIR:
+            args.run_dir = REAL_DEMO_RUN_DIR
+        return cmd_demo_real(args)
     if args.train:
         from flows.train_cli import cmd_demo_train
 
         return cmd_demo_train(args)
-    _prefect_env()
+    prefect_env()
     from endpoint_sim.server import SimConfig, SimulatorServer
     from flows.params import RunParameters
     from flows.pipeline import pipeline
     from tasks.generate.progress_display import show_progress
 
-    _quiet_prefect_console()
+    quiet_prefect_console()
     run_dir, model_dir = demo_dirs(args)
     started = time.monotonic()
     sim_config = SimConfig(noncanonical_rate=args.noncanonical_rate)
@@ -200,53 +177,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "endpoint.base_url": sim.base_url,
             "tokenizer.path": str(model_dir),
         }
-        with _heartbeats_only_for_a_server():
+        with heartbeats_only_for_a_server():
             stats = pipeline(RunParameters(config_path=str(demo_config_path()), overrides=overrides))
     wall_s = time.monotonic() - started
     print_demo_summary(stats, wall_s)
     _announce_quarantine(run_dir)
     return 0
-
-
-def print_demo_summary(stats: dict[str, Any], wall_s: float) -> None:
-    print_run_summary(stats, wall_s, "eagle3-datagen demo")
-
-
-def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
-    """What `demo` and `run` print at the end: the validation overview, then finished parts per stage."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from tasks.common.run_summary import stage_rows
-
-    console = Console()
-    console.print(f"\n[bold]{what} finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
-    from tasks.validate.report import overview_rows
-
-    overview = overview_rows(stats.get("validation_summary") or [])  # none after a budget stop
-    table = Table(title="validation summary")
-    table.add_column("metric")
-    for row in overview:
-        table.add_column(str(row["dataset"]), justify="right")
-    for metric in overview[0] if overview else []:
-        if metric != "dataset":
-            table.add_row(metric, *(str(row[metric]) for row in overview))
-    if overview:
-        console.print(table)
-    stages = Table(title="finished parts per stage")
-    for column in ("stage", "parts", "rows", "bytes"):
-        stages.add_column(column, justify="left" if column == "stage" else "right")
-    for row in stage_rows(Path(stats["run_dir"])):
-        stages.add_row(row["stage"], str(row["parts"]), str(row["rows"]), f"{row['bytes']:,}")
-    console.print(stages)
-    prep = stats["prepare"]
-    gen = stats["generate"]["total"]
-    console.print(
-        f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
-        f"({prep['quarantine_path']})\n"
-        f"requests sent {gen['requests_sent']}, cost ${gen['cost_usd'] or 0:.4f}; "
-        f"report: {stats['run_dir']}/reports/report.html"
-    )
 
 
 EXIT_BUDGET = ExitCode.BUDGET
@@ -256,6 +192,14 @@ EXIT_GATE = ExitCode.GATES
 """More samples failed than `validation.max_failed_rate` allows (generate); the failed ids are in the status file."""
 EXIT_INCONSISTENT = ExitCode.STAGES_DISAGREE
 """`status`: stages disagree (stale parts, samples missing from a stage); a rerun rebuilds them."""
+
+
+def _announce_pending(spend: dict[str, Any], account_settlement: str) -> None:
+    from tasks.generate.settlement import pending_notice
+
+    notice = pending_notice(spend, account_settlement)
+    if notice:
+        print(notice, file=sys.stderr)
 
 
 def _announce_quarantine(run_dir: Path) -> None:
@@ -277,12 +221,14 @@ def generate_without_prefect(
     from tasks.prepare.datasets import prepare_datasets
     from tasks.prepare.empty_input import require_prompts
     from tasks.reconstruct.tokenizer_loading import load_tokenizer
+    from tasks.status.sending import parts_to_send
 
     prepared = prepare_datasets(cfg)
     require_prompts(prepared.to_dict(), {ds.name: str(ds.path) for ds in cfg.datasets})
     parts = prepared.parts
     tokenizer = load_tokenizer(cfg.tokenizer)
-    fmt, _ = preflight(cfg, tokenizer)  # what `run` checks before its first paid request
+    # what `run` checks before its first paid request; no endpoint wait when nothing is left to send
+    fmt, _ = preflight(cfg, tokenizer, probe=bool(parts_to_send(cfg, parts)), announce=_tell)
     markers = CompletionMarkers(*fmt.markers())
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     return generate_parts(cfg, refs, markers, tokenizer, listeners=listeners), parts
@@ -340,7 +286,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         overrides["endpoint.retry_failed"] = args.retry_failed
     cfg = load_config(Path(args.config), overrides)  # before the heavy imports: a typo is reported at once
     _SECRETS.append(_redactor(cfg))
-    _preflight(cfg, probe=False)  # the endpoint is waited for inside, within endpoint.outage_abort_s
+    _preflight(cfg)  # the endpoint is waited for inside, after the rows are read, only if anything is left to send
     from tasks.generate.dataset_summary import dataset_rows
     from tasks.generate.engine import budget_stop_message
     from tasks.generate.progress_display import show_progress
@@ -350,18 +296,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     rows = dataset_rows(cfg.run_dir, parts)
     print_dataset_table(rows)
     print(json.dumps(summary.total(), default=str), flush=True)
+    _announce_pending(summary.spend, cfg.endpoint.account_settlement)
     _announce_quarantine(cfg.run_dir)
     if summary.stopped != "budget":
-        from tasks.status.report import failed_rate_violations
+        from tasks.validate.failure_gates import responses_gate_violations
 
-        crossed = failed_rate_violations(rows, cfg.validation.max_failed_rate)
+        crossed = responses_gate_violations(cfg.run_dir, parts, cfg.validation, cfg.endpoint.retry_failed)
         for line in crossed:
-            print(
-                f"error: {line}; rerun to retry them, `eagle3-datagen status {cfg.run_dir}` lists them", file=sys.stderr
-            )
+            print(f"error: {line} (`eagle3-datagen status {cfg.run_dir}` lists every failed sample)", file=sys.stderr)
         return EXIT_GATE if crossed else 0
     print(
-        f"{budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd)} In {cfg.run_dir}, e.g.: "
+        f"{budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)} "
+        f"In {cfg.run_dir}, e.g.: "
         f"eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
         file=sys.stderr,
     )
@@ -379,6 +325,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         draft_vocab_size=args.draft_vocab_size,
         target_model=Path(args.target_model).resolve() if args.target_model else None,
+        score_policy=args.score_policy,
     )
     print(json.dumps(stats, indent=2))
     return 0
@@ -386,18 +333,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """No Prefect, no model: reads markers and id columns. Exit 0 when every stage holds what the stage before it
-    finished, EXIT_INCONSISTENT when stages disagree, EXIT_ERROR when RUN_DIR is no run directory."""
+    finished, EXIT_GATE when the last report crossed validation gates (a rerun stops there again),
+    EXIT_INCONSISTENT when stages disagree otherwise (a rerun rebuilds them), EXIT_ERROR when RUN_DIR is no run
+    directory."""
     from rich.console import Console
     from rich.table import Table
 
-    from tasks.status.report import run_status, write_failed_file
+    from tasks.status.report import rerun_summary, run_status, write_failed_file
 
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "prompts").is_dir():
         print(f"error: {run_dir} is not a run directory (no prompts/ stage folder)", file=sys.stderr)
         return EXIT_ERROR
     recipes = None
-    extract: dict[str, bool] = {}
+    settings: dict[str, Any] = {}
     if args.config:
         from tasks.common.config import load_config
         from tasks.reconstruct.completion_format import format_for
@@ -406,29 +355,66 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         cfg = load_config(Path(args.config), _parse_overrides(args.set or []))
         recipes = recipe_digests(cfg, format_for(cfg, load_tokenizer(cfg.tokenizer)))
-        extract = {"extract_enabled": cfg.extract.enabled, "skip_failed_validation": cfg.extract.skip_failed_validation}
-    status = run_status(run_dir, recipes, **extract)
-    rows = status.rows()
+        settings = {
+            "extract_enabled": cfg.extract.enabled,
+            "skip_failed_validation": cfg.extract.skip_failed_validation,
+            "retry_failed": cfg.endpoint.retry_failed,
+            "scoring_enabled": cfg.scores_extracted,
+        }
+    status = run_status(run_dir, recipes, **settings)
+    failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
+    records = status.failure_records()
     if args.json:
-        print(json.dumps(status.to_dict(), indent=2, default=str))
+        payload = {**status.to_dict(), "failed_file": str(failed_file), "failed_samples": records}
+        print(json.dumps(payload, indent=2, default=str))
     else:
         console = Console() if Console().is_terminal else Console(width=200)
+        rows = status.rows()
         table = Table(title=f"status of {run_dir}")
         for column in rows[0] if rows else ["dataset"]:
             table.add_column(column, justify="left" if column in ("dataset", "stage", "failed_by_reason") else "right")
         for row in rows:
             table.add_row(*(str(v) for v in row.values()))
         console.print(table)
-    failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
+        if records:
+            console.print(failed_samples_table(records, FAILED_SHOWN, str(failed_file)))
     if status.failed or status.quarantined:
         print(
             f"{len(status.failed)} failed samples, {len(status.quarantined)} quarantined rows: listed in {failed_file}",
             file=sys.stderr,
         )
+        for line in rerun_summary(status.failed):
+            print(f"  {line}", file=sys.stderr)
     _announce_quarantine(run_dir)
+    for gate in status.gates_crossed:
+        outlook = "a rerun retries these" if gate not in status.blocking_gates else "a rerun stops here again"
+        print(f"validation gate crossed ({outlook}): {gate}", file=sys.stderr)
+    outlook = "rerun to rebuild them" if status.rerun_completes else "a rerun stops at the validation gates above"
     for problem in status.problems:
-        print(f"stages disagree: {problem}", file=sys.stderr)
+        print(f"stages disagree: {problem} ({outlook})", file=sys.stderr)
+    if status.gates_crossed:
+        return EXIT_GATE
     return 0 if status.consistent else EXIT_INCONSISTENT
+
+
+FAILED_SHOWN = 20
+"""Failed samples `status` prints as a table; all of them are in the failed-samples file."""
+
+
+def failed_samples_table(records: list[dict[str, Any]], shown: int, where: str) -> Any:
+    """The first `shown` failure records as a rich table with `FAILURE_COLUMNS`, titled with the full file."""
+    from rich.table import Table
+
+    from tasks.common.failures import FAILURE_COLUMNS
+    from tasks.status.report import display_cell
+
+    more = f", first {shown} shown" if len(records) > shown else ""
+    table = Table(title=f"failed samples ({len(records)}{more}; all in {where})")
+    for column in FAILURE_COLUMNS:
+        table.add_column(column, overflow="fold")
+    for record in records[:shown]:
+        table.add_row(*(display_cell(record, c) for c in FAILURE_COLUMNS))
+    return table
 
 
 CONFIG_HELP = "pipeline config YAML (see configs/run.yaml; relative paths resolve against the file)"
@@ -478,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="print the estimate as JSON")
     estimate.set_defaults(func=cmd_estimate)
     demo = sub.add_parser("demo", help="try it: a local simulated endpoint and the bundled demo data, all stages")
-    demo.add_argument("--run-dir", default="runs/demo", help="where the demo's run directory goes")
+    demo.add_argument("--run-dir", default=DEMO_RUN_DIR, help="where the demo's run directory goes")
     demo.add_argument("--assets-dir", default="runs/_assets", help="where the tiny demo model is built once")
     demo.add_argument("--fresh", action="store_true", help="delete the run directory first")
     demo.add_argument(
@@ -489,6 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-progress", action="store_true", help="no live generate progress display")
     demo.add_argument("--train", action="store_true", help="answers from the tiny target itself, then train + evaluate")
+    demo.add_argument(
+        "--real",
+        action="store_true",
+        help="every stage on a real model, SmolLM2-135M-Instruct (the realmodel extra; run dir runs/demo-real): "
+        "its own answers vs other answers of the same length, sized for ~15 minutes on 2 idle cores",
+    )
+    demo.add_argument("--threads", type=int, default=1, help="--real: torch threads of the model-backed endpoint")
+    demo.add_argument("--quick", action="store_true", help="--real: 24 short answers, 8 steps: a smoke run, no figure")
     demo.set_defaults(func=cmd_demo)
     gen = sub.add_parser("generate", help="prepare + generate only, without Prefect (resumable)")
     gen.add_argument("config", help=CONFIG_HELP)
@@ -508,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--val-fraction", type=float, default=0.05, help="fraction of prompts held out (by hash)")
     export.add_argument("--draft-vocab-size", type=int, help="also write d2t/t2d with the trainer's own utility")
     export.add_argument("--target-model", help="target model directory (default: the one extract recorded)")
+    export.add_argument(
+        "--score-policy",
+        choices=["keep", "flag", "drop"],
+        help="samples outside the scoring bounds: keep, flag in the manifest, or drop "
+        "(default: the run's scoring.sample_policy)",
+    )
     export.set_defaults(func=cmd_export)
     status = sub.add_parser(
         "status", help="samples expected/done/failed/stale/missing per dataset and stage (exit 6: stages disagree)"
@@ -540,9 +540,8 @@ def _redact(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Every error a user can fix is one line on stderr and a code from flows/exit_codes.py; `--debug` (anywhere
     on the line) shows the traceback instead."""
-    global DEBUG
     argv = list(sys.argv[1:] if argv is None else argv)
-    DEBUG = "--debug" in argv
+    cli_common.DEBUG = "--debug" in argv
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     try:
         result: int = args.func(args)
@@ -550,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     except Exception as exc:
-        if DEBUG:
+        if cli_common.DEBUG:
             raise
         print(error_line(exc, _redact), file=sys.stderr)
         return int(exit_code_for(exc))

@@ -1,20 +1,23 @@
-"""Generate progress in the Prefect UI: a progress artifact, a status markdown artifact, a per-dataset table.
+"""Generate progress in the Prefect UI and in the task's log: one progress card updated in place, a log line at
+a steady interval, one log line per outage start and end, and a per-dataset table at the end.
 
 Why the listener carries its own ids and settings: the engine calls listeners from a worker thread, where
 Prefect's run context (the task run id, the API settings of a test harness or an ephemeral server) is not
 set, or is a copy whose API client belongs to another thread. So it captures ids and settings in the task
 and makes each call in a fresh, empty context with its own client.
 
-Why throttled: every markdown update is a new artifact version, kept forever; one every 15 s over a 30-minute
-run is about 120 versions, one per snapshot would be 900.
+Why one card updated in place: every `create_artifact` with a key is a new card in the run's Artifacts tab (two
+`generate-status` cards for one run); `update_artifact` rewrites the one card the task created.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 from uuid import UUID
@@ -27,25 +30,106 @@ from prefect.utilities.context import get_task_and_flow_run_ids
 
 from tasks.common.config import PipelineConfig
 from tasks.generate.dataset_summary import dataset_rows
-from tasks.generate.progress import ProgressSnapshot, status_fields, status_line
+from tasks.generate.progress import (
+    ProgressSnapshot,
+    RunEvent,
+    add_event_listener,
+    format_counts,
+    format_duration,
+    format_usd,
+    status_fields,
+)
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 PROGRESS_KEY = "generate-progress"
-STATUS_KEY = "generate-status"
 SUMMARY_KEY = "generate-summary"
-PUBLISH_EVERY_S = 15.0
+PUBLISH_EVERY_S = 5.0
+LOG_EVERY_S = 30.0
 
 T = TypeVar("T")
 
 
 def status_markdown(snapshot: ProgressSnapshot) -> str:
     heading = "final" if snapshot.final else "in progress"
-    lines = [f"# generate: {heading}", "", "| | |", "|---|---|"]
+    lines = [f"**generate: {heading}**", "", "| | |", "|---|---|"]
     lines += [f"| {label} | {value.replace('|', '/')} |" for label, value in status_fields(snapshot, top_reasons=10)]
+    if snapshot.retries_by_reason:
+        lines.append(f"| retries by reason | {format_counts(snapshot.retries_by_reason, 10)} |")
     return "\n".join(lines)
 
 
+def log_line(s: ProgressSnapshot) -> str:
+    """What the generate task logs at a steady interval: sent, done, failed, retries by reason, in flight, spend."""
+    parts = [
+        f"generate {s.finished:,}/{s.total:,} ({s.percent:.1f}%)",
+        f"sent {s.requests_sent:,}",
+        f"done {s.done:,}",
+        f"failed {s.failed:,}" + (f" ({format_counts(s.failures_by_reason, 5)})" if s.failures_by_reason else ""),
+        f"retries {s.retries:,}" + (f" ({format_counts(s.retries_by_reason, 5)})" if s.retries_by_reason else ""),
+        f"in flight {s.in_flight:,}/{s.window:,}",
+        f"billed {format_usd(s.spent_usd)} run-dir total ({format_usd(s.cost_usd)} this run), "
+        f"pending {format_usd(s.pending_usd)}",
+    ]
+    if s.endpoint_down_since_s is not None:
+        parts.append(f"endpoint down for {format_duration(s.elapsed_s - s.endpoint_down_since_s)}")
+    if s.outages:
+        parts.append(f"outages {s.outages}")
+    return ", ".join(parts)
+
+
+class LogProgressListener:
+    """Logs `log_line` for the first snapshot, then every `every_s`, and for the final one: the generate task's
+    log tells what happened even where no artifact is looked at."""
+
+    def __init__(
+        self,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        every_s: float = LOG_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._every_s = every_s
+        self._clock = clock
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, snapshot: ProgressSnapshot) -> None:
+        with self._lock:
+            now = self._clock()
+            if not snapshot.final and self._last is not None and now - self._last < self._every_s:
+                return
+            self._last = now
+        self._logger.info(log_line(snapshot))
+
+
+EVENT_LABELS = {
+    "outage_start": "endpoint outage started",
+    "outage_end": "endpoint outage ended",
+    "budget_stop": "stopped at the budget cap",
+    "settled": "pending spend settled",
+}
+
+
+@contextmanager
+def logged_events(logger: Logger) -> Iterator[None]:
+    """One log line per run event (outage start and end, budget stop, settled spend) while the block runs."""
+
+    def log(event: RunEvent) -> None:
+        level = logging.INFO if event.kind in ("outage_end", "settled") else logging.WARNING
+        label = EVENT_LABELS.get(event.kind, event.kind)
+        logger.log(level, f"{label} at {format_duration(event.elapsed_s)}: {event.message}")
+
+    remove = add_event_listener(log)
+    try:
+        yield
+    finally:
+        remove()
+
+
 class PrefectProgressListener:
-    """Create inside a Prefect task (or flow) run; pass to `generate_parts(listeners=[...])`."""
+    """Create inside a Prefect task (or flow) run; pass to `generate_parts(listeners=[...])`. Keeps one progress
+    card (`generate-progress`: percent done, with the status table as its description) current."""
 
     def __init__(self, every_s: float = PUBLISH_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
         task_run_id, flow_run_id = get_task_and_flow_run_ids()
@@ -58,7 +142,7 @@ class PrefectProgressListener:
         self._clock = clock
         self._last: float | None = None
         self._lock = threading.Lock()
-        initial = self._artifact("progress", PROGRESS_KEY, 0.0, "generate: waiting for the first results")
+        initial = self._artifact("progress", PROGRESS_KEY, 0.0, "**generate**: waiting for the first results")
         self.progress_id: UUID = self._call(lambda client: client.create_artifact(initial).id)
 
     def _artifact(self, kind: str, key: str, data: Any, description: str | None = None) -> ArtifactCreate:
@@ -89,8 +173,8 @@ class PrefectProgressListener:
 
     def _publish(self, client: SyncPrefectClient, snapshot: ProgressSnapshot) -> None:
         progress = min(100.0, max(0.0, snapshot.percent))
-        client.update_artifact(self.progress_id, ArtifactUpdate(data=progress, description=status_line(snapshot)))
-        client.create_artifact(self._artifact("markdown", STATUS_KEY, status_markdown(snapshot)))
+        update = ArtifactUpdate(data=progress, description=status_markdown(snapshot))
+        client.update_artifact(self.progress_id, update)
 
 
 def publish_generate_summary(cfg: PipelineConfig, parts: list[int]) -> list[dict[str, Any]]:

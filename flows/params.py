@@ -49,6 +49,12 @@ class RunParameters(BaseModel):
         description="Run extraction as this deployment (e.g. 'eagle3-extract/extract-gpu', on the GPU pool) "
         "and wait for it, instead of in this process.",
     )
+    extract_worker_wait_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="With extract_deployment: how long the extraction run may wait for a worker on its pool when "
+        "none is polling it; then the run is cancelled and the pipeline fails saying so (logged at once).",
+    )
     dry_run: bool = Field(
         default=False,
         description="Prepare and estimate only: log what the run would send, cost and take, then stop "

@@ -11,37 +11,46 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, cast
+import warnings
+from typing import Any
 
 from prefect import flow, get_run_logger, task, unmapped
-from prefect.artifacts import Artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import MarkdownArtifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.client.schemas.objects import FlowRun
-from prefect.deployments import run_deployment
 from prefect.states import Completed
 
-from flows.generate_progress import PrefectProgressListener, publish_generate_summary
+from flows.budget_stop import mark_budget_stopped
+from flows.extract_handoff import extract_on_deployment
+from flows.failed_samples import publish_failed_samples
+from flows.generate_progress import (
+    LogProgressListener,
+    PrefectProgressListener,
+    logged_events,
+    publish_generate_summary,
+)
 from flows.params import RunParameters, in_slice, resolve_run
 from flows.retry_policy import retry_transient
 from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig
-from tasks.common.errors import ExtractDeploymentError
 from tasks.common.run_summary import run_summary_markdown
-from tasks.common.schemas import REPORTS_DIR, STAGES
+from tasks.common.schemas import REPORTS_DIR, SCORES_STAGE, STAGES
 from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts, read_marker
 from tasks.estimate.display import estimate_text
 from tasks.estimate.estimate import check_budget, estimate_run
-from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner
+from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner, needs_forward_pass
+from tasks.generate.endpoint_wait import wait_for_endpoint
 from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
-from tasks.generate.ledger import LEDGER_DIR
-from tasks.generate.preflight import wait_for_endpoint
+from tasks.generate.progress import Listener
+from tasks.generate.settlement import pending_notice
+from tasks.generate.store_sync import LogMirror
 from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
+from tasks.scoring import check_parity_gate, provider_rows, publish_score_report
 from tasks.status.plan import (
     generate_todo,
     hidden_states_todo,
@@ -53,14 +62,15 @@ from tasks.status.plan import (
     tokens_todo,
     validation_todo,
 )
-from tasks.status.report import run_status, write_failed_file
+from tasks.status.report import RunStatus, rerun_summary, run_status, write_failed_file
 from tasks.validate.checks import check_gates, gate_violations, summarize_validation, validate_part
-from tasks.validate.report import artifact_markdown, overview_rows, write_validation_report
+from tasks.validate.report import artifact_markdown, overview_table, write_validation_report
 
 TASK_OPTIONS: dict[str, Any] = {
     "cache_policy": NO_CACHE,
     "retries": 2,
-    "retry_delay_seconds": [2, 10],
+    # One number, not a list: the UI's task page shows a list of delays as "Retry Delay: NaNs".
+    "retry_delay_seconds": 5,
     "retry_condition_fn": retry_transient,
 }
 
@@ -103,18 +113,30 @@ def check_tokenizer_task(cfg: PipelineConfig) -> str:
 
 
 @task(name="generate", task_run_name="generate-{n_parts}-parts", **TASK_OPTIONS)
-def generate_task(cfg: PipelineConfig, parts: list[int], n_parts: int) -> dict[str, Any]:
-    """All parts in one task: one global in-flight window across shards, no barrier at part boundaries."""
-    wait_for_endpoint(cfg.endpoint)  # up to outage_abort_s, the window the generate stage itself honours
+def generate_task(
+    cfg: PipelineConfig, parts: list[int], n_parts: int, mirror: LogMirror | None = None
+) -> dict[str, Any]:
+    """All parts in one task: one global in-flight window across shards, no barrier at part boundaries; with a
+    store, `mirror` copies the spend ledger and the journal there at every commit. Its log has a progress line
+    every LOG_EVERY_S and one line per outage start and end."""
+    logger = get_run_logger()
+    wait_for_endpoint(cfg.endpoint, announce=logger.warning)  # up to outage_abort_s, as the stage itself waits
     tokenizer = load_tokenizer(cfg.tokenizer)
     reasoning_close, end_of_turn = _format(cfg).markers()
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     markers = CompletionMarkers(reasoning_close, end_of_turn)
-    summary = generate_parts(cfg, refs, markers, tokenizer, listeners=[PrefectProgressListener()])
+    listeners: list[Listener] = [PrefectProgressListener(), LogProgressListener(logger)]
+    with logged_events(logger):
+        summary = generate_parts(cfg, refs, markers, tokenizer, listeners=listeners, on_commit=mirror)
     out = summary.to_dict()
     out["datasets"] = publish_generate_summary(cfg, parts)
     if summary.stopped == "budget":
-        get_run_logger().warning(budget_stop_message(summary.spent_usd, cfg.endpoint.max_cost_usd))
+        get_run_logger().warning(
+            budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)
+        )
+    notice = pending_notice(summary.spend, cfg.endpoint.account_settlement)
+    if notice:
+        get_run_logger().warning(notice)
     return out
 
 
@@ -135,7 +157,7 @@ def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
     key = report_key(cfg.run_dir, cfg.validation.model_dump(mode="json"))
     recorded = recorded_summary(cfg.run_dir, key)
     summary = summarize_validation(cfg) if recorded is None else recorded
-    violations = gate_violations(summary, cfg.validation)
+    violations = gate_violations(summary, cfg.validation, cfg.endpoint.retry_failed)
     report = reusable_report(cfg.run_dir, key)
     if report is None or recorded is None:
         if report is None:
@@ -143,13 +165,13 @@ def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
         record_report(cfg.run_dir, key, report, summary)
     create_table_artifact(
         key="validation-summary",
-        table=overview_rows(summary),
-        description=f"Per-dataset validation summary of {cfg.run_dir} (full report: {report})",
+        table=overview_table(summary),
+        description=f"Validation summary of {cfg.run_dir}, one column per dataset (full report: {report})",
     )
     create_markdown_artifact(key="validation-report", markdown=artifact_markdown(report, summary, violations))
     if violations:
         get_run_logger().error("validation gates crossed; report: %s", report)
-    check_gates(summary, cfg.validation)
+    check_gates(summary, cfg.validation, cfg.endpoint.retry_failed)
     return summary
 
 
@@ -157,7 +179,7 @@ def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
 def extract_task(cfg: PipelineConfig, part: int) -> dict[str, Any]:
     key = json.dumps([str(cfg.extract_model_path), cfg.extract.model_dump(mode="json")], sort_keys=True)
     runner = _RUNNERS.get(key)
-    if runner is None:
+    if runner is None and needs_forward_pass(cfg, part):  # scores alone never load the whole model
         runner = _RUNNERS[key] = make_runner(cfg)
     return extract_part(cfg, part, runner)
 
@@ -201,16 +223,27 @@ def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]
 
 def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
     if not generate_todo(cfg, parts):
-        get_run_logger().info("generate: all %d responses parts complete and current; nothing to send", len(parts))
+        get_run_logger().info(
+            "generate: nothing to send: every sample of the %d responses parts is done, or failed deterministically "
+            "and is not resent with these settings (no endpoint wait)",
+            len(parts),
+        )
         return GenerateSummary().to_dict()
     check_tokenizer_task(cfg)
-    if store is not None:  # the spend ledger travels with the run directory: the cap holds on any worker
-        store.pull_missing(LEDGER_DIR, "ledger-*.log")
+    # Every host's spend and journaled answers first (the cap holds on any worker, a dead host's answers are
+    # not bought again); then this run's are mirrored at every commit.
+    mirror = LogMirror(store, cfg.endpoint.commit_every_s) if store is not None else None
+    if mirror is not None:
+        mirror.pull()
+        mirror.start()
     try:
-        stats = generate_task(cfg, parts, len(parts))
+        stats = generate_task(cfg, parts, len(parts), mirror)
     finally:
-        _push_files(store, cfg, LEDGER_DIR)
+        if mirror is not None:
+            mirror.close()
     _push(store, cfg, "responses", parts)
+    if mirror is not None:
+        mirror.drop_replayed_journals()
     return stats
 
 
@@ -219,11 +252,16 @@ def _budget_stopped(stats: dict[str, Any]) -> bool:
 
 
 def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
-    """A run the cost cap ended is not a failure: it completes, named so the UI and automations can tell."""
+    """A run the cost cap ended is not a failure: it completes (a plain Completed, so every run list shows it),
+    its message says so, and `mark_budget_stopped` tags it and tells automations."""
     generate = stats.get("generate", stats)
     if _budget_stopped(generate):
-        message = budget_stop_message(generate["total"]["run_dir_spent_usd"], cfg.endpoint.max_cost_usd)
-        return Completed(message=message, name="BudgetStopped", data=stats)
+        total = generate["total"]
+        message = budget_stop_message(
+            total["run_dir_counted_usd"], cfg.endpoint.max_cost_usd, total["run_dir_pending_usd"]
+        )
+        mark_budget_stopped(message)
+        return Completed(message=f"BudgetStopped: {message}", data=stats)
     return stats
 
 
@@ -281,25 +319,25 @@ def run_extract(cfg: PipelineConfig, parts: list[int], store: RunStore | None = 
     for part in todo:
         results.append(extract_task(cfg, part))
         _push(store, cfg, "hidden_states", [part])
+        _push(store, cfg, SCORES_STAGE, [part])
     return results
 
 
-EXTRACT_POLL_S = 1
-
-
-def extract_on_deployment(run: RunParameters) -> list[dict[str, Any]]:
-    """Hand the GPU stage to its own pool and wait: the CPU worker never loads the target model. The run's state
-    is read every EXTRACT_POLL_S (Prefect's default is 5 s, on average 2.5 s lost after every extraction)."""
-    name = run.extract_deployment or ""
-    params = run.model_copy(update={"extract_deployment": None}).model_dump(mode="json")
-    flow_run = cast(
-        FlowRun,
-        run_deployment(name, parameters={"run": params}, as_subflow=True, poll_interval=EXTRACT_POLL_S),
+def publish_scores(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]:
+    """The provider-parity report section and artifacts, after extraction; `run_pipeline` applies its gate once
+    the run summary is written. Not a task: a no-op rerun reads only `reports/scores.json`."""
+    report = publish_score_report(cfg.run_dir, cfg.scoring)
+    summary = report.summary
+    create_markdown_artifact(key="provider-parity", markdown=report.markdown)
+    create_table_artifact(
+        key="provider-parity-table",
+        table=provider_rows(summary) or [{"serving": None, "samples": "0"}],
+        description=f"The target's scores of each provider's answers in {cfg.run_dir} (report: {report.path})",
     )
-    if flow_run.state is None or not flow_run.state.is_completed():
-        message = flow_run.state.message if flow_run.state else "no state"
-        raise ExtractDeploymentError(f"{name} run {flow_run.name} ended {message}")
-    return [{"deployment": name, "flow_run": str(flow_run.id), "state": flow_run.state.name}]
+    if summary["named"]:
+        get_run_logger().warning("provider parity: %s", "; ".join(summary["named_lines"]))
+    _push_files(store, cfg, REPORTS_DIR)
+    return summary
 
 
 def run_pipeline(
@@ -313,7 +351,7 @@ def run_pipeline(
     if (run is not None and run.dry_run) or generate_todo(cfg, parts):
         stats["estimate"] = estimate_task(cfg)
     else:  # the estimate would price nothing: no task run, no re-read of every dataset and response part
-        stats["estimate"] = {"requests": 0, "text": "nothing to send: every responses part is complete and current"}
+        stats["estimate"] = {"requests": 0, "text": "nothing to send: every sample is done or kept as failed"}
     if run is not None and run.dry_run:
         stats["dry_run"] = True
         stats["wall_s"] = round(time.monotonic() - started, 3)
@@ -328,13 +366,18 @@ def run_pipeline(
         elif cfg.extract.enabled:
             stats["extract"] = run_extract(cfg, parts, store)
     if store is not None and run is not None and run.extract_deployment:
-        _pull(store, "hidden_states")
+        _pull(store, "hidden_states", SCORES_STAGE)
+    scored = cfg.scores_extracted and "stopped" not in stats
+    if scored:
+        stats["scores"] = publish_scores(cfg, store)
     stats["status"] = publish_status(cfg, extracted_here=not (run is not None and run.extract_deployment))
     stats["wall_s"] = round(time.monotonic() - started, 3)
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
     if store is not None:
         store.push_file(cfg.run_dir / "run_summary.json")
     create_markdown_artifact(key="run-summary", markdown=_markdown_summary(stats))
+    if scored:
+        check_parity_gate(stats["scores"], cfg.scoring)
     return stats
 
 
@@ -346,8 +389,16 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
     recipes = recipe_digests(cfg, _format(cfg))
     if not extracted_here:
         recipes.pop("hidden_states")
-    status = run_status(cfg.run_dir, recipes, cfg.extract.enabled, cfg.extract.skip_failed_validation)
+    status = run_status(
+        cfg.run_dir,
+        recipes,
+        cfg.extract.enabled,
+        cfg.extract.skip_failed_validation,
+        cfg.endpoint.retry_failed,
+        cfg.scores_extracted,
+    )
     failed_file = write_failed_file(status)
+    publish_failed_samples(status.failure_records(), failed_file)
     create_markdown_artifact(key="run-status", markdown=status.markdown())
     create_table_artifact(
         key="run-status-table",
@@ -370,22 +421,45 @@ def _markdown_summary(stats: dict[str, Any]) -> str:
 
 
 def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
-    """on_failure: a markdown artifact saying which stage stopped where, so the UI answers 'what broke' first."""
-    lines = [f"# `{flow_run.name}` failed", "", f"**{state.type.value}**: {state.message}", ""]
-    try:
-        cfg = resolve_run(RunParameters.model_validate(flow_run.parameters.get("run", {}))).cfg
-        lines.append(f"run directory `{cfg.run_dir}`; finished parts per stage:")
-        lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
-        quarantine = cfg.run_dir / "prompts" / QUARANTINE
-        if quarantine.exists():
-            lines.append(f"- quarantined rows: {sum(1 for _ in quarantine.open())}")
-        lines.append("Rerunning the same parameters resumes from these parts.")
-        status = run_status(cfg.run_dir, None, cfg.extract.enabled, cfg.extract.skip_failed_validation)
-        lines += ["", status.markdown().replace("# status of", "## status of", 1)]
-        lines.append(f"Failed and quarantined samples: `{write_failed_file(status)}`")
-    except Exception as exc:  # the hook must report, never raise: the run has already failed
-        lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
-    Artifact(type="markdown", key="failure-summary", data="\n".join(lines), flow_run_id=flow_run.id).create()
+    """on_failure: a markdown artifact saying which stage stopped where and what a rerun changes, plus the
+    failed-samples tables, so the UI answers 'what broke' first."""
+    message_lines = [line.strip() for line in str(state.message or "").splitlines() if line.strip()]
+    lines = [f"# `{flow_run.name}` failed", "", f"**{state.type.value}**: {message_lines[0] if message_lines else ''}"]
+    lines += [f"- {line}" for line in message_lines[1:]]
+    lines.append("")
+    with warnings.catch_warnings():  # the hook may run outside the run's context: the run is named explicitly
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            run = RunParameters.model_validate(flow_run.parameters.get("run", {}))
+            cfg = resolve_run(run).cfg
+            lines.append(f"Run directory `{cfg.run_dir}`; finished parts per stage:")
+            lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
+            status = run_status(
+                cfg.run_dir, None, cfg.extract.enabled, cfg.extract.skip_failed_validation, cfg.endpoint.retry_failed
+            )
+            failed_file = write_failed_file(status)
+            lines += ["", "## What a rerun with the same parameters changes", "", *rerun_outlook(status), ""]
+            lines += [status.markdown().replace("# status of", "## status of", 1), ""]
+            lines.append(f"Failed and quarantined samples: `{failed_file}` (tables: the failed-samples artifacts)")
+            publish_failed_samples(status.failure_records(), failed_file, flow_run_id=flow_run.id)
+        except Exception as exc:  # the hook must report, never raise: the run has already failed
+            lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
+        MarkdownArtifact(key="failure-summary", markdown="\n".join(lines), flow_run_id=flow_run.id).create()
+
+
+def rerun_outlook(status: RunStatus) -> list[str]:
+    """Sentences (markdown list items) on what rerunning the same parameters does: resume, retry which failed
+    samples, and stop again at which crossed gate unless the setting it names changes."""
+    lines = ["- It resumes from the finished parts above; nothing finished is done again."]
+    if status.blocking_gates:
+        lines.append("- It stops at these validation gates again unless what each names changes:")
+        lines += [f"  - {gate}" for gate in status.blocking_gates]
+    retried = [g for g in status.gates_crossed if g not in status.blocking_gates]
+    if retried:
+        lines.append("- It retries the failed samples behind these gates, so it may pass them:")
+        lines += [f"  - {gate}" for gate in retried]
+    lines += [f"- Failed samples: {line}" for line in rerun_summary(status.failed)]
+    return lines
 
 
 FLOW_OPTIONS: dict[str, Any] = {"log_prints": True, "on_failure": [failure_summary_hook]}
@@ -395,7 +469,7 @@ FLOW_OPTIONS: dict[str, Any] = {"log_prints": True, "on_failure": [failure_summa
 def pipeline(run: RunParameters) -> dict[str, Any]:
     """Every stage; each resumes from the completion markers already in the run directory."""
     resolved = resolve_run(run)
-    _pull(resolved.store, *STAGES)
+    _pull(resolved.store, *STAGES, SCORES_STAGE)
     return _finish(run_pipeline(resolved.cfg, resolved.store, run), resolved.cfg)
 
 
@@ -425,7 +499,7 @@ def validate_flow(run: RunParameters) -> dict[str, Any]:
 def extract_flow(run: RunParameters) -> list[dict[str, Any]]:
     """Hidden-state extraction alone: the flow the GPU work pool runs over an existing run directory."""
     resolved = resolve_run(run)
-    _pull(resolved.store, "tokens", "validation", "hidden_states")
+    _pull(resolved.store, "tokens", "validation", "hidden_states", SCORES_STAGE)
     parts = [p for p in _parts(resolved.cfg, "tokens") if in_slice(p, run.part_slice)]
     results = run_extract(resolved.cfg, parts, resolved.store)
     done = _done(resolved.cfg, "tokens", parts)

@@ -54,6 +54,11 @@ def add_train_commands(sub: Any) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=96, help="tokens the target decodes per held-out prompt")
     ev.add_argument("--max-prompts", type=int, help="evaluate at most this many held-out prompts")
     ev.add_argument("--no-baseline", action="store_true", help="skip the untrained drafter's walk")
+    ev.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="walk exactly these prompts (JSONL/Parquet of messages or conversations) instead of the held-out split",
+    )
     ev.add_argument("--no-prefect", action="store_true", help="plain calls, no Prefect flow or artifacts")
     ev.set_defaults(func=_user_errors(cmd_evaluate))
 
@@ -106,9 +111,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = train_run(run_dir, out, options)
         evaluation = None if args.no_evaluate else evaluate_run(run_dir, out)
     else:
-        from flows.cli import _prefect_env
+        from flows.cli_common import prefect_env
 
-        _prefect_env()
+        prefect_env()
         from flows.train_flow import train_flow
 
         result = train_flow(str(run_dir), str(out) if out else None, options.__dict__, evaluate=not args.no_evaluate)
@@ -120,15 +125,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     train_dir = Path(args.train_dir).resolve() if args.train_dir else None
-    kwargs = {"max_new_tokens": args.max_new_tokens, "max_prompts": args.max_prompts, "baseline": not args.no_baseline}
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": args.max_new_tokens,
+        "max_prompts": args.max_prompts,
+        "baseline": not args.no_baseline,
+    }
+    if args.prompts:
+        kwargs["prompts_file"] = str(Path(args.prompts).resolve())
     if args.no_prefect:
         from tasks.evaluate import evaluate_run
 
         evaluation = evaluate_run(run_dir, train_dir, **kwargs)
     else:
-        from flows.cli import _prefect_env
+        from flows.cli_common import prefect_env
 
-        _prefect_env()
+        prefect_env()
         from flows.train_flow import evaluate_flow
 
         evaluation = evaluate_flow(str(run_dir), str(train_dir) if train_dir else None, kwargs)
@@ -158,9 +169,9 @@ def print_train_result(summary: dict[str, Any] | None, evaluation: dict[str, Any
 
 def cmd_demo_train(args: argparse.Namespace) -> int:
     """The demo that learns: target-backed endpoint -> pipeline -> drafter -> acceptance, with stage wall times."""
-    from flows.cli import _prefect_env, demo_config_path, demo_dirs, print_demo_summary
+    from flows.cli_common import demo_config_path, demo_dirs, prefect_env, print_demo_summary
 
-    _prefect_env()
+    prefect_env()
     from endpoint_sim.model_backend import ModelResponder
     from endpoint_sim.server import SimConfig, SimulatorServer
     from flows.params import RunParameters

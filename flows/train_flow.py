@@ -49,7 +49,10 @@ def evaluate_task(run_dir: str, train_dir: str | None, kwargs: dict[str, Any]) -
 
     from tasks.evaluate import evaluate_run, evaluation_markdown
 
-    result = evaluate_run(Path(run_dir), Path(train_dir) if train_dir else None, **kwargs)
+    options = dict(kwargs)
+    if options.get("prompts_file"):
+        options["prompts_file"] = Path(options["prompts_file"])
+    result = evaluate_run(Path(run_dir), Path(train_dir) if train_dir else None, **options)
     create_markdown_artifact(key=_key(run_dir, "drafter-acceptance"), markdown=evaluation_markdown(result))
     return result
 

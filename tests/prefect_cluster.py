@@ -1,6 +1,7 @@
 """A production-shaped cluster on loopback, shared by the deployment and multi-host tests (one per session):
 `prefect server start`, an S3-compatible server (moto), the endpoint simulator started as the README says, the
-README's `EAGLE3_DEMO_BLOCKS=1 deployments/setup.sh`, and three process workers (two on eagle3-cpu, one on
+README's `EAGLE3_DEMO_BLOCKS=1 EAGLE3_STORE_URL=s3://eagle3/runs deployments/setup.sh` (with the S3 credentials and
+endpoint every host gets), and three process workers (two on eagle3-cpu, one on
 eagle3-gpu), each its own "host": its own local cache directory, sharing only the Prefect server and S3.
 A session whose collected tests use it starts it in the background as soon as collection ends (conftest), so its
 20-30 s of process start-ups overlap the tests that run before the first one that needs it.
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).parent / "prefect")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 BUCKET = "eagle3"
+STORE_URL = f"s3://{BUCKET}/runs"
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -184,9 +186,8 @@ def _start_s3(c: Cluster) -> Any:
     proc = c.spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], c.client_env, "s3.log")
     c.s3_url = f"http://127.0.0.1:{port}"
 
-    def ready() -> None:
+    def ready() -> None:  # the bucket is created by the README's setup step (EAGLE3_STORE_URL)
         wait_until("moto S3 server", lambda: httpx.get(c.s3_url, timeout=2).status_code < 500, proc, c.root / "s3.log")
-        httpx.put(f"{c.s3_url}/{BUCKET}", timeout=10).raise_for_status()
 
     return ready
 
@@ -220,10 +221,11 @@ def _bring_up(c: Cluster) -> None:
         "EAGLE3_DEMO_BLOCKS": "1",
         "EAGLE3_DEMO_ENDPOINT": c.sim_url,
         "EAGLE3_DEMO_RUNS_DIR": str(c.root / "shared-runs"),
+        "EAGLE3_STORE_URL": STORE_URL,  # README, "Several hosts": the shared store, with the hosts' credentials
     }
     setup = subprocess.run(
         ["bash", "deployments/setup.sh"],
-        env={**c.client_env, **demo},
+        env={**c.client_env, **S3_ENV, "AWS_ENDPOINT_URL": c.s3_url, **demo},
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -277,6 +277,7 @@ def test_states_that_do_not_match_their_tokens_are_refused(tmp_path: Path, tiny_
             "completion_len": [len(ids) for ids in tampered.values()],
             "reasoning_len": [0] * n,
             "completion_format": ["test"] * n,
+            "token_source": ["reencoded"] * n,
         },
         schema=TOKENS,
     )

@@ -76,6 +76,7 @@ def write_tokens(run_dir: Path, samples: dict[str, list[int]], part: int = 0) ->
             "completion_len": [len(ids) - len(ids) // 3 for ids in samples.values()],
             "reasoning_len": [0] * n,
             "completion_format": ["test"] * n,
+            "token_source": ["reencoded"] * n,
         },
         schema=TOKENS,
     )

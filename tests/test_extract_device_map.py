@@ -103,6 +103,7 @@ def test_stage_writes_the_same_states_from_a_split_model(
                 "completion_len": [len(s) for s in SEQUENCES],
                 "reasoning_len": [0] * n,
                 "completion_format": ["test"] * n,
+                "token_source": ["reencoded"] * n,
             },
             schema=TOKENS,
         )
@@ -140,15 +141,15 @@ def test_execution_device_from_accelerate_hooks_on_gpus() -> None:
     """On GPUs accelerate names execution devices by index, and stacks hooks in a SequentialHook."""
     from accelerate.hooks import AlignDevicesHook, SequentialHook
 
-    from tasks.extract.hf_backend import _module_device
+    from tasks.extract.devices import module_device
 
     norm = torch.nn.LayerNorm(4, device="meta")
     norm._hf_hook = AlignDevicesHook(execution_device=1, offload=True)  # type: ignore[assignment]
-    assert _module_device(norm, torch.device("cpu")) == torch.device("cuda", 1)
+    assert module_device(norm, torch.device("cpu")) == torch.device("cuda", 1)
     norm._hf_hook = SequentialHook(AlignDevicesHook(execution_device="cuda:2"))  # type: ignore[assignment]
-    assert _module_device(norm, torch.device("cpu")) == torch.device("cuda", 2)
+    assert module_device(norm, torch.device("cpu")) == torch.device("cuda", 2)
     del norm._hf_hook
-    assert _module_device(norm, torch.device("cpu")) == torch.device("cpu")  # meta parameters never count
+    assert module_device(norm, torch.device("cpu")) == torch.device("cpu")  # meta parameters never count
 
 
 @pytest.mark.gpu

@@ -365,6 +365,8 @@ def test_request_building_for_both_kinds(
         "provider": {"order": ["A"]},
         "reasoning": {"effort": "high"},
         "usage": {"include": True},
+        "stream": True,  # the default for openai_chat
+        "stream_options": {"include_usage": True},
     }
     gen_cfg = make_cfg(tmp_path, sim, tokenizer_dir, sampling=sampling, kind="sglang_generate")
     gen_req = build_request(gen_cfg, messages, tokenizer)  # type: ignore[arg-type]

@@ -85,7 +85,8 @@ def write_config(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, data
         },
         "sampling": {"max_tokens": 1024},
         "tokenizer": {"path": str(tokenizer_dir)},
-        "validation": {"max_failed_rate": 1.0},  # 5% of prompts fail for good, by design of the crash mix
+        # 5% of prompts fail for good (context length), by design of the crash mix
+        "validation": {"max_failed_rate": 1.0, "max_deterministic_failed_rate": 1.0},
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

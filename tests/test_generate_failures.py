@@ -533,7 +533,7 @@ def test_budget_cap_stops_the_run_and_a_higher_cap_finishes_it(
     spent = sum(r["cost_usd"] for r in kept.values())
     assert first["stopped"] == "budget" and not PartRef(tmp_path, "responses", 0).is_done()
     assert 0 < len(kept) < samples and {r["status"] for r in kept.values()} == {"done"}
-    assert spent <= cap and first["run_dir_spent_usd"] == pytest.approx(spent)
+    assert spent <= cap and first["run_dir_billed_usd"] == pytest.approx(spent)
     assert first["requests_sent"] == sim.stats(with_keys=False)["total_requests"] == len(kept)
 
     richer = make_cfg(tmp_path, sim.base_url, tokenizer_dir, mode, sampling=sampling, max_cost_usd=1.0, **prices)
@@ -543,7 +543,7 @@ def test_budget_cap_stops_the_run_and_a_higher_cap_finishes_it(
     assert second["requests_sent"] == second["done"] == samples - len(kept)
     assert set(sim.stats()["by_key"].values()) == {1}, "no sample was sent twice"
     assert {r["status"] for r in got.values()} == {"done"} and len(got) == samples
-    assert second["run_dir_spent_usd"] == pytest.approx(sum(r["cost_usd"] for r in got.values()))
+    assert second["run_dir_billed_usd"] == pytest.approx(sum(r["cost_usd"] for r in got.values()))
     for row in rows:
         if row["sample_id"] in kept:
             assert got[row["sample_id"]]["generation_id"] == kept[row["sample_id"]]["generation_id"]

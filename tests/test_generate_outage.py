@@ -49,6 +49,8 @@ def test_an_outage_longer_than_outage_abort_s_stops_the_run_without_failing_samp
 def test_a_short_outage_is_ridden_out_beyond_max_attempts(
     tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
+    """One attempt allowed per sample, and every first attempt refused: refused (never sent) attempts are free,
+    at $0, and while the endpoint is down the breaker sends nothing but probes and one trial request."""
     port = free_port()
     write_prompts(tmp_path, [question("blip", i) for i in range(SAMPLES)])
     cfg = make_cfg(
@@ -56,11 +58,13 @@ def test_a_short_outage_is_ridden_out_beyond_max_attempts(
         f"http://127.0.0.1:{port}",
         tokenizer_dir,
         "chat",
-        max_attempts=2,
+        max_attempts=1,
         backoff_base_s=0.05,
         backoff_max_s=0.2,
         outage_grace_s=0.0,
         outage_abort_s=60.0,
+        outage_probe_min_s=0.1,
+        outage_probe_max_s=0.4,
     )
     server = SimulatorServer(tokenizer_dir, SimConfig(), port=port)
     comes_back = threading.Timer(1.0, server.start)
@@ -73,7 +77,10 @@ def test_a_short_outage_is_ridden_out_beyond_max_attempts(
     got = responses(tmp_path)
     assert summary["done"] == SAMPLES and {r["status"] for r in got.values()} == {"done"}
     assert max(r["attempts"] for r in got.values()) > cfg.endpoint.max_attempts, "refused attempts were not free"
-    assert summary["retries_by_reason"].get("connection", 0) > 0
+    assert summary["retries_by_reason"].get("connect", 0) > 0 and summary["outages"] == 1
+    spend = summary["spend"]
+    assert spend["pending_attempts"] == 0 and spend["pending_usd"] == 0.0
+    assert 0 < spend["unsent_attempts"] <= SAMPLES + 2, "the down endpoint was sent more than one try per sample"
     assert chunk_paths(tmp_path, 0) == []
 
 
@@ -94,6 +101,87 @@ def test_refused_connections_never_use_up_attempts_whatever_the_grace(
     with pytest.raises(EndpointUnavailableError):
         run(cfg, tokenizer)
     assert committed_chunks(tmp_path) == {}
+
+
+# --- done-when 1 of issue 19, scaled down (the 60 s version is in test_outage_money.py, make test-long) ------------
+def test_an_endpoint_killed_mid_run_is_not_hammered_and_costs_nothing_extra(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """The endpoint goes away with 64 requests in flight and comes back 3 s later on the same port with its bill:
+    no sample fails, the budget does not stop, at most the in-flight requests + 100 are sent while it is down
+    (the breaker holds every sender; main's client sent one retry per sample every ~0.5 s), and the spend the
+    run directory records equals the bill within 1% (the requests cut by the outage are settled from their
+    generation records; main's client booked every refused retry at its worst case)."""
+    import math
+    import time
+
+    from endpoint_sim.responder import Responder
+    from tasks.generate.ledger import SpendLedger
+    from tasks.generate.progress import RunEvent, add_event_listener
+
+    down_s, samples = 3.0, 200
+    sim_cfg = SimConfig(seed=19, latency_lognormal=(math.log(0.3), 0.3), reasoning_words=(5, 30), content_words=(5, 30))
+    responder = Responder(tokenizer_dir, sim_cfg)
+    bill = tmp_path / "bill.jsonl"
+    first = SimulatorServer(tokenizer_dir, sim_cfg, responder=responder, billing_file=bill).start()
+    write_prompts(tmp_path, [question("killed", i) for i in range(samples)])
+    cfg = make_cfg(
+        tmp_path,
+        first.base_url,
+        tokenizer_dir,
+        "stream",
+        max_in_flight=64,
+        max_attempts=2,
+        backoff_base_s=0.05,
+        backoff_max_s=1.0,
+        max_cost_usd=0.5,  # main's client booked ~400 refused retries at $0.002: a budget stop
+        outage_probe_min_s=0.2,
+        outage_probe_max_s=1.0,
+        commit_every_samples=256,
+        price_prompt_usd_per_mtok=sim_cfg.price_prompt_usd_per_mtok,
+        price_completion_usd_per_mtok=sim_cfg.price_completion_usd_per_mtok,
+    )
+    events: list[RunEvent] = []
+    remove = add_event_listener(events.append)
+    down: dict[str, float] = {}
+    back: list[SimulatorServer] = []
+
+    def outage() -> None:
+        while first.stats(with_keys=False)["by_status"].get("200", 0) < 60:
+            time.sleep(0.005)
+        down["in_flight"] = first.stats(with_keys=False)["in_flight"]
+        port = first.port
+        down["at"] = time.time()
+        first.stop()
+        time.sleep(down_s)
+        down["until"] = time.time()
+        back.append(SimulatorServer(tokenizer_dir, sim_cfg, port=port, responder=responder, billing_file=bill).start())
+
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    try:
+        summary = run(cfg, None).total()  # type: ignore[arg-type]
+    finally:
+        thread.join(timeout=60)
+        remove()
+        first.stop()
+        provider = back[0].billing()["total_usd"] if back else 0.0
+        for server in back:
+            server.stop()
+    ledger = SpendLedger.load(tmp_path)
+    during = [a for a in ledger.attempts.values() if a.sent_at and down["at"] <= a.sent_at <= down["until"]]
+    totals = ledger.totals()
+    print(
+        f"in flight when it went down {down['in_flight']:.0f}, requests sent while down {len(during)}, "
+        f"recorded ${totals.counted_usd:.5f} vs billed ${provider:.5f}, settled {dict(totals.settled_by)}"
+    )
+    assert down["in_flight"] >= 32, "the outage must catch the window full"
+    assert summary["done"] == samples and summary["failed"] == 0 and summary["stopped"] is None
+    assert len(during) <= down["in_flight"] + 100, "the down endpoint was hammered"
+    assert totals.counted_usd == pytest.approx(provider, rel=0.01), "recorded spend is not the bill"
+    assert summary["outages"] == 1
+    kinds = [e.kind for e in events]
+    assert kinds.count("outage_start") == 1 and kinds.count("outage_end") == 1 and "settled" in kinds
 
 
 # --- the whole endpoint down mid-run for 45 s, longer than the old grace (issue: "outages fail no sample") --------

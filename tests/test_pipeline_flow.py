@@ -16,6 +16,7 @@ from flows.cli import demo_config_path
 from flows.params import RunParameters, resolve_run
 from flows.pipeline import pipeline
 from tasks.common.config import TokenizerConfig
+from tasks.common.schemas import SCORES_STAGE as SCORES
 from tasks.common.schemas import STAGES
 from tasks.common.shards import PartRef, done_parts, read_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt
@@ -101,20 +102,29 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         task_runs = _task_runs(state.state_details.flow_run_id)
         assert len(task_runs) <= 4 * n_parts + 5, "Prefect bookkeeping must be O(parts), not O(samples)"
         keys = _artifact_keys(state.state_details.flow_run_id)
-        assert {"validation-summary", "generate-progress", "generate-status", "generate-summary"} <= keys
+        assert {"validation-summary", "generate-progress", "generate-summary", "failed-samples-b1"} <= keys
+        assert "generate-status" not in keys, "one progress card, updated in place"
         assert json.loads((run_dir / "run_summary.json").read_text())["run_dir"] == str(run_dir)
         for stage in STAGES:  # parts and markers only: reports live in reports/, quarantine and shards under _ names
             assert pq.read_table(run_dir / stage).num_rows == sum(
                 read_part(r, ["sample_id"]).num_rows for r in done_parts(run_dir, stage)
             ), stage
         assert (run_dir / "reports" / "report.html").is_file() and (run_dir / "reports" / "summary.json").is_file()
+        scores = pa.concat_tables([read_part(r, ["sample_id", "scored_tokens"]) for r in done_parts(run_dir, SCORES)])
+        assert sorted(scores["sample_id"].to_pylist()) == sorted(index["sample_id"].to_pylist())
+        assert min(scores["scored_tokens"].to_pylist()) > 0
+        assert {"provider-parity", "provider-parity-table"} <= keys
+        assert "## Provider parity" in (run_dir / "reports" / "report.md").read_text()
+        assert stats["scores"]["scored_samples"] == index.num_rows
 
         sent = _sim_total(sim.base_url)
-        marker_times = {str(r): r.marker.stat().st_mtime_ns for s in STAGES for r in done_parts(run_dir, s)}
+        marker_times = {str(r): r.marker.stat().st_mtime_ns for s in (*STAGES, SCORES) for r in done_parts(run_dir, s)}
         again = pipeline(run, return_state=True)
         assert again.is_completed(), again.message
         assert _sim_total(sim.base_url) == sent, "a rerun re-sent requests for finished samples"
-        assert {str(r): r.marker.stat().st_mtime_ns for s in STAGES for r in done_parts(run_dir, s)} == marker_times
+        assert {
+            str(r): r.marker.stat().st_mtime_ns for s in (*STAGES, SCORES) for r in done_parts(run_dir, s)
+        } == marker_times
         assert PartRef(run_dir, "tokens", 0).is_done()
         # Nothing to build: no task run per part, no estimate of nothing; the summary and status the rerun
         # publishes are the ones recorded for these inputs, equal to what reading every part again gives.

@@ -226,7 +226,7 @@ def run_dir(tmp_path: Path) -> Path:
         ("b2", "beta", 1, 0.125),
     ]:
         uid = ledger.sent(sid, dataset, part, 0.004)
-        ledger.settled(uid, cost, None, None)
+        ledger.ended(uid, "pending" if cost is None else "answered", cost, None, None)
     ledger.close()
     return tmp_path
 
@@ -244,8 +244,8 @@ def test_dataset_rows_merge_finished_parts_and_chunks(run_dir: Path) -> None:
         "prompt_tokens": 30,
         "completion_tokens": 300,
         "reasoning_tokens": 120,
-        "cost_usd": pytest.approx(0.034),
-        "unknown_usd": pytest.approx(0.004),
+        "billed_usd": pytest.approx(0.03),
+        "pending_usd": pytest.approx(0.004),
         "billed_cost_usd": pytest.approx(0.011),
         "providers": "A 100%",
         "quantizations": "fp8 100%",
@@ -263,8 +263,8 @@ def test_dataset_rows_merge_finished_parts_and_chunks(run_dir: Path) -> None:
         "prompt_tokens": 15,
         "completion_tokens": 174,
         "reasoning_tokens": 0,
-        "cost_usd": pytest.approx(0.879),
-        "unknown_usd": pytest.approx(0.004),
+        "billed_usd": pytest.approx(0.875),
+        "pending_usd": pytest.approx(0.004),
         "billed_cost_usd": None,
         "providers": "B 67%, A 33%",
         "quantizations": "bf16 100%",
@@ -285,8 +285,8 @@ def test_dataset_rows_of_a_part_not_started_and_of_no_parts(tmp_path: Path) -> N
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "reasoning_tokens": 0,
-            "cost_usd": 0.0,
-            "unknown_usd": 0.0,
+            "billed_usd": 0.0,
+            "pending_usd": 0.0,
             "billed_cost_usd": None,
             "providers": "-",
             "quantizations": "-",
@@ -323,21 +323,29 @@ def cfg(run_dir: Path) -> PipelineConfig:
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_prefect_listener_publishes_from_a_foreign_thread_throttled(cfg: PipelineConfig) -> None:
+def test_prefect_listener_keeps_one_card_current_from_a_foreign_thread_throttled(cfg: PipelineConfig) -> None:
+    """One `generate-progress` card per run, updated in place (its description is the status table), never a
+    new card per snapshot: two cards of one key read as two runs in the UI."""
     from prefect import flow, task
 
     from flows.generate_progress import PrefectProgressListener, publish_generate_summary
 
     snapshots = [
         replace(RUNNING, done=100, failed=0, elapsed_s=1.0),
-        replace(RUNNING, done=150, failed=0, elapsed_s=6.0),  # within 15 s of the last publish: skipped
-        replace(RUNNING, done=300, failed=0, elapsed_s=21.0),
+        replace(RUNNING, done=150, failed=0, elapsed_s=6.0),  # within 5 s of the last publish: skipped
+        replace(RUNNING, done=300, failed=0, elapsed_s=21.0, retries_by_reason={"http_503": 4}),
         replace(RUNNING, done=990, failed=10, elapsed_s=22.0, final=True),  # always published
     ]
+    published: list[int] = []
+
+    class Recording(PrefectProgressListener):
+        def _publish(self, client: Any, snapshot: ProgressSnapshot) -> None:
+            published.append(snapshot.done)
+            super()._publish(client, snapshot)
 
     @task
     def generate_like() -> dict[str, Any]:
-        listener = PrefectProgressListener(clock=clock(0.0, 5.0, 20.0, 21.0))
+        listener = Recording(clock=clock(0.0, 2.0, 20.0, 21.0))
         errors: list[BaseException] = []
 
         def engine_thread() -> None:
@@ -362,19 +370,15 @@ def test_prefect_listener_publishes_from_a_foreign_thread_throttled(cfg: Pipelin
     assert state.is_completed(), state.message
     out = state.result()
     flow_run_id = state.state_details.flow_run_id
+    assert published == [100, 300, 990]
 
     (progress,) = _artifacts(flow_run_id, "generate-progress")
     assert progress.id == out["progress_id"] and progress.task_run_id == out["task_run_id"]
     assert progress.type == "progress" and progress.data == pytest.approx(100.0)
-    assert (progress.description or "").startswith("generate 1,000/1,000 (100.0%)")
-
-    statuses = _artifacts(flow_run_id, "generate-status")
-    assert len(statuses) == 3, "one markdown version per published snapshot: first, after 15 s, final"
-    assert {a.task_run_id for a in statuses} == {out["task_run_id"]}
-    texts = sorted(str(a.data) for a in statuses)
-    assert sum("# generate: final" in t for t in texts) == 1
-    assert any("| samples | 300 / 1,000 (30.0%)" in t for t in texts)
-    assert not any("150 / 1,000" in t for t in texts)
+    description = progress.description or ""
+    assert description.startswith("**generate: final**") and "| samples | 1,000 / 1,000 (100.0%)" in description
+    assert "\\n" not in description
+    assert _artifacts(flow_run_id, "generate-status") == [], "no second card"
 
     (table,) = _artifacts(flow_run_id, "generate-summary")
     assert table.type == "table"

@@ -49,7 +49,7 @@ ANSWERS = [
 ]
 
 
-def make_cfg(run_dir: Path, tokenizer_dir: Path, **reconstruct: bool) -> PipelineConfig:
+def make_cfg(run_dir: Path, tokenizer_dir: Path, **reconstruct: Any) -> PipelineConfig:
     return PipelineConfig(
         run_dir=run_dir,
         datasets=[DatasetConfig(name=DATASET, path=run_dir / "in.jsonl")],

@@ -15,7 +15,7 @@ from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.cli import demo_config_path
 from flows.params import RunParameters
 from flows.pipeline import pipeline
-from tasks.common.schemas import STAGES
+from tasks.common.schemas import SCORES_STAGE, STAGES
 from tasks.common.shards import done_parts, read_marker, read_part
 from tasks.status.report import run_status
 from tests.conftest import DEMO_DATA
@@ -163,5 +163,15 @@ def test_config_changes_rebuild_exactly_the_stages_they_shape(tmp_path: Path, ti
 
         extra = {"extract.layers": [1, 2, 5], "reconstruct.loss_on_reasoning": False}
         _run(run_dir, sim, tiny_model_dir, data, **extra)
-        assert changed(layers, _builds(run_dir)) == {"tokens", "validation", "hidden_states"}
+        rebuilt = _builds(run_dir)
+        assert changed(layers, rebuilt) == {"tokens", "validation", "hidden_states"}
         assert sim.stats(with_keys=False)["total_requests"] == sent, "a config change re-sent requests"
+
+        scores = {str(r): read_marker(r)["fingerprint"] for r in done_parts(run_dir, SCORES_STAGE)}
+        assert len(scores) == len(done_parts(run_dir, "hidden_states"))
+        result = _run(run_dir, sim, tiny_model_dir, data, **extra, **{"scoring.low_prob_floor": 1e-9})
+        assert _builds(run_dir) == rebuilt, "a scoring setting re-extracted hidden states"
+        again = {str(r): read_marker(r) for r in done_parts(run_dir, SCORES_STAGE)}
+        assert all(again[k]["fingerprint"] != fp for k, fp in scores.items())
+        assert {m["stats"]["source"] for m in again.values()} == {"refloor"}, "recounted, no model loaded"
+        assert result["status"]["consistent"], result["status"]["problems"]

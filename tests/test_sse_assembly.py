@@ -213,3 +213,26 @@ def test_error_chunks_and_broken_chunks() -> None:
     ended.feed(b'data: {"id":"g","choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}\n\n')
     ended.feed(b"data: [DONE]\n\ndata: not JSON, and after the end\n\n")
     assert ended.done and ended.body()["choices"][0]["message"]["content"] == "a"
+
+
+def test_every_chunks_logprobs_are_kept_once_shapes_are_learned() -> None:
+    """Per-token logprobs (`endpoint.logprobs`) ride in chunks that may be byte-identical to earlier ones (the same
+    token at the same logprob): such chunks are parsed, never read by a learned shape, so no entry is skipped;
+    chunks before them without logprobs still teach shapes."""
+    envelope = f'"id":"{GEN_ID}","provider":"P","model":"m","object":"chat.completion.chunk","created":1'
+    events = [
+        f'data: {{{envelope},"choices":[{{"index":0,"delta":{{"content":"x{i}"}},"logprobs":null}}]}}' for i in range(6)
+    ]
+    tokens = ["a", "a", "a", " b", "a", "a"]
+    for token in tokens:
+        entry = {"token": token, "logprob": -0.5, "bytes": list(token.encode()), "top_logprobs": []}
+        choice = {"index": 0, "delta": {"content": token}, "logprobs": {"content": [entry]}}
+        events.append(f"data: {{{envelope},{json.dumps({'choices': [choice]}, separators=(',', ':'))[1:]}")
+    events.append(f'data: {{{envelope},"choices":[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}')
+    body = ("\n\n".join(events) + "\n\ndata: [DONE]\n\n").encode()
+    for most in (1, 7, 4096):
+        stream = assemble(body, random_cuts(body, random.Random(most), most))
+        assert stream._shapes, "no shape was learned from the chunks without logprobs"
+        choice = stream.body()["choices"][0]
+        assert choice["message"]["content"] == "".join(f"x{i}" for i in range(6)) + "".join(tokens)
+        assert choice["logprobs"] == {"content": [{"token": t, "bytes": list(t.encode())} for t in tokens]}

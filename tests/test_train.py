@@ -59,6 +59,7 @@ def write_run(run_dir: Path, model_dir: Path, rows: list[tuple[list[int], list[i
             "completion_len": [mask.count(1) for _, mask in rows],
             "reasoning_len": [0] * n,
             "completion_format": ["test"] * n,
+            "token_source": ["reencoded"] * n,
         },
         schema=TOKENS,
     )
@@ -183,3 +184,31 @@ def test_drafter_maps_draft_ids_to_target_ids(trained: dict[str, Any]) -> None:
     ids = torch.arange(512)
     targets = drafter.to_target_ids(ids)
     assert bool(drafter.t2d[targets].all()) and len(set(targets.tolist())) == 512
+
+
+def test_evaluate_walks_exactly_the_prompts_of_a_file(
+    trained: dict[str, Any], tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`evaluate --prompts FILE`: the walk decodes from those prompts, rendered with the target's chat template,
+    in file order, and from nothing else; a malformed row is one line naming it."""
+    from flows.cli import main
+    from flows.exit_codes import ExitCode
+    from tasks.common.config import TokenizerConfig
+    from tasks.common.messages import Message
+    from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
+
+    questions = ["What is a NOR gate?", "Name three rivers in Europe.", "Why is the sky blue?"]
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions))
+    run_dir: Path = trained["run_dir"]
+    result = evaluate_run(run_dir, run_dir / "train", max_new_tokens=8, baseline=False, prompts_file=path)
+    tokenizer = load_tokenizer(TokenizerConfig(path=tiny_model_dir))
+    expected = [render_prompt_ids(tokenizer, [Message(role="user", content=q)]) for q in questions]
+    assert result["walked_prompts"] == expected and result["heldout_source"] == "prompts_file"
+    assert result["walk"]["prompts"] == 3 and result["walk"]["generated_tokens"] == 3 * 8
+
+    path.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": []}\n')
+    capsys.readouterr()  # what the walk above printed
+    assert main(["evaluate", str(run_dir), "--prompts", str(path), "--no-prefect"]) == ExitCode.USER
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "row 1" in err and str(path) in err

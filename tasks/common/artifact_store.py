@@ -4,21 +4,61 @@ Stages always read and write a *local* run directory (atomic renames, memory-map
 mirrors it to `<url>/<run name>`. A part is pushed data first and completion marker last, and pulled the same
 way, so a host sees a part only once it is complete: the invariant of `tasks/common/shards.py`, carried across hosts.
 A plain shared filesystem (NFS, a Docker volume) needs no store at all: point `run_dir` at it.
+
+Append-only logs (the spend ledger, the answer journal) are mirrored while they grow, as *pieces*: each push
+uploads only the bytes appended since the last one, as one object `<folder>/_pieces/<name>/<start>-<end>` whose
+name states the byte range it holds, so a piece cut short by a non-atomic upload is seen for what it is and
+ignored. A log's writer may later replace its pieces by one whole object `<folder>/<name>`. Readers join the whole
+object and the pieces that continue it without a gap: what they get is always a prefix of the log.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import fsspec
 import pyarrow.parquet as pq
 
 from tasks.common.errors import ConfigError
 from tasks.common.shards import PART_RE, PartRef
+
+PIECES_DIR = "_pieces"
+FETCH_BATCH = 64
+COPY_BLOCK = 8 * 1024**2
+_PIECE_RE = re.compile(r"^([0-9]{20})-([0-9]{20})$")
+
+
+@dataclass
+class RemoteLog:
+    """One append-only log as the store holds it: a whole copy of its first `whole_bytes` bytes, and pieces
+    (start, end) holding bytes [start, end), each listed only when the object has exactly that many bytes."""
+
+    whole_bytes: int = 0
+    pieces: list[tuple[int, int]] = field(default_factory=list)
+
+    def chain(self) -> list[tuple[int, int]]:
+        """The pieces that extend the whole copy without a gap, in order (overlaps allowed, each adds bytes)."""
+        end, out = self.whole_bytes, []
+        for start, stop in sorted(self.pieces):
+            if start > end:
+                break
+            if stop > end:
+                out.append((start, stop))
+                end = stop
+        return out
+
+    @property
+    def size(self) -> int:
+        """Bytes a reader can have from the start: the whole copy joined with its chain of pieces."""
+        chain = self.chain()
+        return chain[-1][1] if chain else self.whole_bytes
 
 
 class RunStore:
@@ -28,13 +68,14 @@ class RunStore:
         fs, root = fsspec.core.url_to_fs(self.url)
         self.fs: Any = fs
         self.root = f"{root.rstrip('/')}/{local_run_dir.name}"
+        self._made_dirs: set[str] = set()
 
     def _remote(self, rel: str) -> str:
         return f"{self.root}/{rel}"
 
-    def push_file(self, path: Path) -> None:
+    def push_file(self, path: Path, rel: str | None = None) -> None:
         """Upload under a temporary name, then move: an interrupted upload never shows under the final name."""
-        rel = path.relative_to(self.local_run_dir).as_posix()
+        rel = path.relative_to(self.local_run_dir).as_posix() if rel is None else rel
         remote = self._remote(rel)
         tmp = f"{remote}.uploading-{uuid.uuid4().hex[:8]}"
         self.fs.makedirs(self._remote(str(Path(rel).parent.as_posix())), exist_ok=True)
@@ -95,19 +136,73 @@ class RunStore:
             pulled.append(part)
         return pulled
 
-    def pull_missing(self, folder: str, pattern: str) -> list[Path]:
-        """Fetch the files of `folder` matching `pattern` that this host does not have (append-only logs, such as
-        the spend ledger's segments: a local copy is never replaced)."""
-        pulled = []
-        for remote in sorted(self.fs.glob(self._remote(f"{folder}/{pattern}"))):
-            rel = f"{folder}/{Path(remote).name}"
-            if not (self.local_run_dir / rel).exists():
-                pulled.append(self.pull_file(rel))
-        return pulled
-
     def pull_optional(self, rel: str) -> Path | None:
         self.fs.invalidate_cache(self._remote(rel))
         return self.pull_file(rel) if self.fs.exists(self._remote(rel)) else None
+
+    def _piece(self, folder: str, name: str, start: int, end: int) -> str:
+        return self._remote(f"{folder}/{PIECES_DIR}/{name}/{start:020d}-{end:020d}")
+
+    def list_logs(self, folder: str, pattern: str) -> dict[str, RemoteLog]:
+        """Every log in `folder` whose name matches `pattern`, whole copies and pieces, from one listing."""
+        self.fs.invalidate_cache()
+        base = self._remote(folder).rstrip("/")
+        logs: dict[str, RemoteLog] = {}
+        for path, info in self.fs.find(base, detail=True).items():
+            rel = path[len(base) :].lstrip("/").split("/")
+            if len(rel) == 1 and fnmatch.fnmatchcase(rel[0], pattern):
+                logs.setdefault(rel[0], RemoteLog()).whole_bytes = int(info["size"])
+            elif len(rel) == 3 and rel[0] == PIECES_DIR and fnmatch.fnmatchcase(rel[1], pattern):
+                m = _PIECE_RE.match(rel[2])
+                if m and int(info["size"]) == int(m.group(2)) - int(m.group(1)):
+                    logs.setdefault(rel[1], RemoteLog()).pieces.append((int(m.group(1)), int(m.group(2))))
+        return logs
+
+    def read_log(self, folder: str, name: str, log: RemoteLog, out: BinaryIO) -> int:
+        """Write the log's bytes from the start to `out`: its whole copy, then its chain of pieces (fetched
+        FETCH_BATCH at a time, concurrently on an object store). Returns the bytes written."""
+        written = 0
+        if log.whole_bytes:
+            with self.fs.open(self._remote(f"{folder}/{name}"), "rb") as fh:
+                while written < log.whole_bytes and (block := fh.read(min(COPY_BLOCK, log.whole_bytes - written))):
+                    out.write(block)
+                    written += len(block)
+        chain = log.chain()
+        for at in range(0, len(chain), FETCH_BATCH):
+            batch = chain[at : at + FETCH_BATCH]
+            paths = [self._piece(folder, name, start, end) for start, end in batch]
+            data: dict[str, bytes] = self.fs.cat(paths)
+            for (start, end), path in zip(batch, paths, strict=True):
+                piece = data[path]
+                if len(piece) != end - start or start > written:
+                    raise ConfigError(f"{self.url}: {path} is not the piece it was listed as; pull again")
+                out.write(memoryview(piece)[written - start :])
+                written = end
+        return written
+
+    def put_piece(self, folder: str, name: str, start: int, data: bytes) -> None:
+        """One object holding bytes [start, start + len(data)) of the log; a single PUT on an object store."""
+        path = self._piece(folder, name, start, start + len(data))
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self._made_dirs:  # on S3 each call asks whether the bucket exists: once per log
+            self.fs.makedirs(parent, exist_ok=True)
+            self._made_dirs.add(parent)
+        self.fs.pipe_file(path, data)
+
+    def put_whole(self, folder: str, name: str, path: Path, pieces: list[tuple[int, int]]) -> None:
+        """Replace a log's pieces by the whole local file (which holds exactly the bytes they hold): uploaded under
+        a temporary name and moved, then the pieces are deleted (a reader in between joins the overlap)."""
+        self.push_file(path, f"{folder}/{name}")
+        self.fs.rm([self._piece(folder, name, a, b) for a, b in pieces])
+
+    def delete_log(self, folder: str, name: str) -> None:
+        """The whole copy and every piece of a log, listed or not (a piece cut short is deleted too)."""
+        whole = self._remote(f"{folder}/{name}")
+        if self.fs.exists(whole):
+            self.fs.rm(whole)
+        pieces = self._remote(f"{folder}/{PIECES_DIR}/{name}")
+        if self.fs.find(pieces):
+            self.fs.rm(pieces, recursive=True)
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "local_run_dir": str(self.local_run_dir)}

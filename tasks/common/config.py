@@ -72,7 +72,14 @@ class EndpointConfig(StrictModel):
     backoff_base_s: float = Field(default=1.0, ge=0)
     backoff_max_s: float = Field(default=60.0, ge=0)
     keep_length_truncated: bool = Field(
-        default=False, description="Keep samples that ended with finish_reason=length (else: failed)."
+        default=False,
+        description="Keep samples that ended with finish_reason=length (else: failed); validation then passes "
+        "them too ('length' joins validation.allowed_finish_reasons): the one setting for truncated answers.",
+    )
+    logprobs: bool = Field(
+        default=False,
+        description="openai_chat: ask for per-token logprobs (`logprobs: true`) and rebuild the model's exact ids "
+        "from their bytes (stored as output_ids); providers that return none are re-encoded as before.",
     )
     provider_routing: dict[str, Any] | None = Field(
         default=None, description="OpenRouter `provider` object (order, only, quantizations, ...)."
@@ -84,7 +91,13 @@ class EndpointConfig(StrictModel):
     price_completion_usd_per_mtok: float = Field(default=0.0, ge=0)
     commit_every_samples: int = Field(default=256, ge=1)
     commit_every_s: float = Field(default=10.0, gt=0)
-    stream: bool = Field(default=False, description="openai_chat: Server-Sent Events (usage in the final chunk).")
+    stream: bool = Field(
+        default=True,
+        description="openai_chat: Server-Sent Events (usage in the final chunk), the default there (unset: true for "
+        "openai_chat, false for sglang_generate). The generation id arrives with the first chunk, so an answer cut "
+        "off later can be settled from the provider's records, and a cancelled stream stops billing where the "
+        "provider honours cancellation. false: one JSON body per request.",
+    )
     stream_idle_timeout_s: float = Field(
         default=300.0, gt=0, description="Streaming: a gap this long between two chunks is a timeout."
     )
@@ -111,9 +124,9 @@ class EndpointConfig(StrictModel):
     outage_grace_s: float = Field(
         default=30.0,
         ge=0,
-        description="Deprecated, accepted for old configs and not used: a transport failure (refused, reset, "
-        "timeout, 502-504) now never uses up a sample's attempt unless another request succeeded after it was "
-        "sent, whatever the timings; outage_abort_s alone bounds an outage.",
+        description="Deprecated, accepted for old configs and not used: while the endpoint as a whole is down "
+        "(the circuit breaker: outage_probe_min_s / outage_probe_max_s) no request is sent and no sample uses up "
+        "an attempt, whatever the timings; outage_abort_s alone bounds an outage.",
     )
     outage_abort_s: float = Field(
         default=600.0,
@@ -121,6 +134,40 @@ class EndpointConfig(StrictModel):
         description="After this long without any successful answer the run stops, resumably (EndpointUnavailable"
         "Error: the CLI exits 4; Prefect does not retry the task, the window is used up); nothing is marked "
         "failed for the outage. The pre-flight endpoint probe waits the same window.",
+    )
+    outage_probe_min_s: float = Field(
+        default=0.5, gt=0, description="While the endpoint is down: the first liveness probe's delay (it doubles)."
+    )
+    outage_probe_max_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="While the endpoint is down no request is sent; one probe at a time decides when sending "
+        "resumes, backing off to this interval.",
+    )
+    settle_pending: bool = Field(
+        default=True,
+        description="openai_chat with prices: attempts that ended pending with a generation id (a cut stream, a "
+        "kill) are settled from GET /api/v1/generation?id= at the start and end of each run. Off: they stay at "
+        "their worst case until the account settles them.",
+    )
+    account_settlement: Literal["off", "exclusive_key"] = Field(
+        default="off",
+        description="exclusive_key: the API key is used by this run directory alone while it runs, so the key's "
+        "usage (GET /api/v1/key) before and after a run, minus what is known billed, is what its pending attempts "
+        "cost; they are settled from that difference. off (a shared key): pending attempts stay at their worst "
+        "case, counted against the cap, and their amount is printed.",
+    )
+    account_settle_stable_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="exclusive_key: the key's usage must stay unchanged this long (and cover every answer billed "
+        "so far) before a reading counts; longer than the provider's usage update interval.",
+    )
+    account_settle_wait_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="exclusive_key: how long a run waits, at its start and end, for the key's usage to settle; "
+        "past it the reading is kept but settles nothing, and pending attempts stay at worst case.",
     )
     retry_failed: Literal["transient", "all"] = Field(
         default="transient",
@@ -135,6 +182,14 @@ class EndpointConfig(StrictModel):
         description="Journaled answers and spend records are fsynced at least this often (what a machine crash can "
         "lose); they reach the kernel every 20 ms, so a kill -9 loses only what was in flight or just received.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_default(cls, data: Any) -> Any:
+        """Streaming is the default of openai_chat only: SGLang's /generate answers in one body."""
+        if isinstance(data, dict) and data.get("stream") is None:
+            data = {**data, "stream": data.get("kind", "openai_chat") == "openai_chat"}
+        return data
 
     @field_validator("base_url")
     @classmethod
@@ -169,6 +224,18 @@ class TokenizerConfig(StrictModel):
 class ReconstructConfig(StrictModel):
     loss_on_reasoning: bool = True
     loss_on_end_of_turn: bool = True
+    token_ids: Literal["model", "reencode"] = Field(
+        default="model",
+        description="model: store the ids the endpoint reported the model generated (SGLang output_ids, or ids "
+        "rebuilt from logprobs bytes) wherever a response has them, re-encoding stays the check; reencode: always "
+        "store the re-encoded text (what every row without model ids gets).",
+    )
+    repair_from: Path | None = Field(
+        default=None,
+        description="A run directory whose responses carry the model's ids (the same target through /generate or "
+        "logprobs): rows here without ids of their own are re-encoded, then rewritten with the splits the model "
+        "chose over the re-encoding's in those reference answers (token_source 'repaired').",
+    )
 
 
 class ValidationConfig(StrictModel):
@@ -178,7 +245,15 @@ class ValidationConfig(StrictModel):
         default=0.05,
         ge=0,
         le=1,
-        description="Gate on a dataset's failed responses / responses; `generate` and `run` exit non-zero above it.",
+        description="Gate on a dataset's responses that failed after their retries for a reason the next run retries "
+        "(transient, outage, budget) / responses; `generate` and `run` exit 5 above it.",
+    )
+    max_deterministic_failed_rate: float = Field(
+        default=0.10,
+        ge=0,
+        le=1,
+        description="Gate on a dataset's deterministic failures (context length, content filter, other 4xx, length) "
+        "/ responses: a rerun with the same settings never sends them again, so they are gated apart.",
     )
     allowed_finish_reasons: list[str] = Field(default_factory=lambda: ["stop"])
     max_bpe_artifact_rate: float = Field(default=1.0, ge=0, le=1, description="Gate over referenced samples.")
@@ -243,6 +318,91 @@ class ExtractConfig(StrictModel):
     )
 
 
+class ScoringConfig(StrictModel):
+    """The target model scores its own training data at extraction (`tasks/extract/scores.py`): per answer token
+    its log-probability and whether it was the target's top-1 choice; per sample the mean NLL, the top-1 rate,
+    the longest run below `low_prob_floor` and the end token's log-probability. The bounds below judge samples
+    (by reason, under `sample_policy`), the parity settings judge providers against each other
+    (`tasks/scoring/`)."""
+
+    enabled: bool = Field(
+        default=True, description="Score every answer token with the target's own lm_head during extraction."
+    )
+    low_prob_floor: float = Field(
+        default=1e-4,
+        gt=0,
+        lt=1,
+        description="Tokens the target gives less than this probability count toward longest_low_prob_run "
+        "(stored per sample: changing it recomputes the stored runs from the stored per-token log-probabilities).",
+    )
+    logits_chunk_tokens: int = Field(
+        default=512,
+        ge=1,
+        description="Answer tokens whose full-vocabulary logits are on the device at once (memory: this x vocab x "
+        "6 bytes, e.g. 0.5 GB for Kimi-K2.5's 163,840 entries).",
+    )
+    max_mean_nll_nats: float | None = Field(
+        default=None, gt=0, description="Bound: a sample's mean negative log-likelihood per answer token (None: off)."
+    )
+    min_top1_rate: float | None = Field(
+        default=None, ge=0, le=1, description="Bound: share of answer tokens that were the target's top-1 choice."
+    )
+    max_low_prob_run_tokens: int | None = Field(
+        default=None, ge=1, description="Bound: longest run of answer tokens below low_prob_floor (garbage text)."
+    )
+    min_end_logprob: float | None = Field(
+        default=None,
+        le=0,
+        description="Bound: the target's log-probability of the answer's last token (the end of turn): far below "
+        "it, the answer stops where the target would not (a truncated tail).",
+    )
+    sample_policy: Literal["keep", "flag", "drop"] = Field(
+        default="flag",
+        description="Samples outside a bound: keep (counted in the report), flag (also listed in the export "
+        "manifest), drop (left out of the exports). The report counts them by reason in every case.",
+    )
+    parity_gate: Literal["off", "warn", "fail"] = Field(
+        default="warn",
+        description="A provider whose answers the target scores worse than the other providers' beyond a margin: "
+        "off, warn (named in the report, the artifact and the log), fail (also exit 5).",
+    )
+    parity_margin_nll_nats: float = Field(
+        default=0.05, ge=0, description="Mean NLL per answer token a provider may exceed the others' by."
+    )
+    parity_margin_top1_rate: float = Field(
+        default=0.02, ge=0, le=1, description="Top-1 agreement rate a provider may fall short of the others' by."
+    )
+    parity_confidence: float = Field(
+        default=0.99,
+        gt=0.5,
+        lt=1,
+        description="One-sided confidence that a difference exceeds its margin before a provider is named.",
+    )
+    parity_min_samples: int = Field(
+        default=30, ge=2, description="Scored samples a provider (and the rest) need before it can be named."
+    )
+
+    @field_validator("parity_gate", mode="before")
+    @classmethod
+    def _gate_off(cls, v: Any) -> Any:
+        """YAML 1.1 reads a bare `off` as false: `parity_gate: off` means the gate is off."""
+        return "off" if v is False else v
+
+    def bounds(self) -> dict[str, float | int | None]:
+        return {
+            "max_mean_nll_nats": self.max_mean_nll_nats,
+            "min_top1_rate": self.min_top1_rate,
+            "max_low_prob_run_tokens": self.max_low_prob_run_tokens,
+            "min_end_logprob": self.min_end_logprob,
+        }
+
+
+def scores_extracted_with(scoring_enabled: bool, backend: str, store_final_state: bool) -> bool:
+    """Scoring on, and a backend that can score: the sglang backend scores the stored final states after each
+    part, so an sglang run that stores aux states only has nothing to score (the report says so)."""
+    return scoring_enabled and (backend != "sglang" or store_final_state)
+
+
 class PipelineConfig(StrictModel):
     run_dir: Path
     samples_per_shard: int = Field(default=1000, ge=1)
@@ -253,6 +413,7 @@ class PipelineConfig(StrictModel):
     reconstruct: ReconstructConfig = ReconstructConfig()
     validation: ValidationConfig = ValidationConfig()
     extract: ExtractConfig = ExtractConfig()
+    scoring: ScoringConfig = ScoringConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:
@@ -274,7 +435,25 @@ class PipelineConfig(StrictModel):
             raise ValueError("endpoint.stream applies to openai_chat endpoints only")
         if ep.reconcile_cost and ep.kind != "openai_chat":
             raise ValueError("endpoint.reconcile_cost reads OpenRouter's /generation records: openai_chat only")
+        if ep.logprobs and ep.kind != "openai_chat":
+            raise ValueError("endpoint.logprobs applies to openai_chat endpoints (sglang_generate returns output_ids)")
         return self
+
+    @property
+    def allowed_finish_reasons(self) -> list[str]:
+        """What validation accepts: `validation.allowed_finish_reasons`, plus "length" when generate keeps
+        truncated answers (`endpoint.keep_length_truncated`), so keeping them cannot fail them silently later."""
+        allowed = list(self.validation.allowed_finish_reasons)
+        if self.endpoint.keep_length_truncated and "length" not in allowed:
+            allowed.append("length")
+        return allowed
+
+    @property
+    def scores_extracted(self) -> bool:
+        """Whether extraction scores the answers (`scores_extracted_with`)."""
+        return self.extract.enabled and scores_extracted_with(
+            self.scoring.enabled, self.extract.backend, self.extract.store_final_state
+        )
 
     @property
     def extract_model_path(self) -> Path:
@@ -311,7 +490,7 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         data["run_dir"] = fix(data["run_dir"])
     if isinstance(data.get("datasets"), list):
         data["datasets"] = [{**d, "path": fix(d.get("path"))} if isinstance(d, dict) else d for d in data["datasets"]]
-    for section, key in (("tokenizer", "path"), ("extract", "model_path")):
+    for section, key in (("tokenizer", "path"), ("extract", "model_path"), ("reconstruct", "repair_from")):
         if isinstance(data.get(section), dict) and data[section].get(key):
             data[section] = {**data[section], key: fix(data[section][key])}
     return data

@@ -14,6 +14,10 @@ FailureClass = Literal["transient", "deterministic", "budget", "outage"]
 
 FAILURE_CLASSES: tuple[FailureClass, ...] = ("transient", "deterministic", "budget", "outage")
 
+RERUN_FIXABLE: frozenset[str] = frozenset({"transient", "budget", "outage"})
+"""Classes the next run sends again by itself: they count against `validation.max_failed_rate`, while
+deterministic failures have a gate of their own (`validation.max_deterministic_failed_rate`)."""
+
 DETERMINISTIC_REASONS = frozenset({"length", "context_length", "content_filter", "finish_content_filter"})
 """Reasons that a resend of the identical request reproduces: the model's answer or the prompt is the cause."""
 
@@ -61,31 +65,29 @@ def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "trans
     """What the next run does about one failed sample, in words a user acts on: the one answer to "will a rerun
     fix this?", shared by the failure record, the gate messages and the failure summary."""
     if stage == "prepare" or klass == "quarantined":
-        return "never: fix the input row (see prompts/_quarantine.jsonl), then rerun"
+        return "never: fix the row in the dataset (prompts/_quarantine.jsonl says why), then rerun"
     if stage == "validation" or klass == "validation":
-        return "never with the same answer: change the validation.* policy, or delete the response to buy it again"
+        return "never with the same answer: change validation.*, or delete the response to buy it again"
     if klass in ("transient", "outage", "budget"):
         return "retried by the next run"
     if retry_failed == "all":
         return "retried by the next run (endpoint.retry_failed: all)"
     if reason == "length":
-        return (
-            "only after sampling.max_tokens is raised (or endpoint.keep_length_truncated: true), "
-            "or with --retry-failed all"
-        )
+        return "only after sampling.max_tokens is raised (or keep_length_truncated), or with --retry-failed all"
     if reason == "context_length":
-        return "never as sent: the prompt exceeds the model's context; only after the model or prompt changes"
+        return "never as sent: the prompt exceeds the context; only after the model or the prompt changes"
     return (
-        "never with the same settings (deterministic): only after the model, routing, sampling or template "
-        "changes, or with --retry-failed all"
+        "never with the same settings: only after the model, routing, sampling or template changes, "
+        "or with --retry-failed all"
     )
 
 
 @dataclass(frozen=True, slots=True)
 class FailureRecord:
-    """One failed sample as every surface shows it (`FAILURE_COLUMNS`); `last_error` is already redacted."""
+    """One failed sample as every surface shows it (`FAILURE_COLUMNS`); `last_error` is already redacted.
+    `sample_id` is None for a quarantined input row: it never became a sample."""
 
-    sample_id: str
+    sample_id: str | None
     dataset: str
     stage: str
     reason: str
@@ -95,7 +97,7 @@ class FailureRecord:
     rerun: str
 
     def to_dict(self) -> dict[str, Any]:
-        error = self.last_error
+        error = None if self.last_error is None else " ".join(self.last_error.split())
         if error is not None and len(error) > LAST_ERROR_CHARS:
             error = error[: LAST_ERROR_CHARS - 3] + "..."
         values = (

@@ -19,8 +19,10 @@ GENERATE_TOTALS = (
     ("requests sent", "requests_sent"),
     ("prompt tokens", "prompt_tokens"),
     ("completion tokens", "completion_tokens"),
-    ("cost (USD)", "cost_usd"),
-    ("run directory spend (USD)", "run_dir_spent_usd"),
+    ("billed this run (USD)", "cost_usd"),
+    ("pending this run (USD, worst case until settled)", "pending_usd"),
+    ("run directory billed (USD)", "run_dir_billed_usd"),
+    ("run directory pending (USD, worst case until settled)", "run_dir_pending_usd"),
     ("stopped", "stopped"),
 )
 

@@ -79,6 +79,7 @@ TOKENS = pa.schema(
         pa.field("completion_len", pa.int32(), nullable=False),
         pa.field("reasoning_len", pa.int32(), nullable=False),
         pa.field("completion_format", pa.string(), nullable=False),
+        pa.field("token_source", pa.string()),
     ]
 )
 
@@ -112,6 +113,7 @@ VALIDATION = pa.schema(
         pa.field("prompt_delta_tokens", pa.int64()),
         pa.field("prompt_match", pa.string()),
         pa.field("boundary_whitespace", pa.bool_()),
+        pa.field("token_source", pa.string()),
     ]
 )
 
@@ -128,10 +130,29 @@ HIDDEN_STATES_INDEX = pa.schema(
     ]
 )
 
+SCORES_STAGE: Final = "hidden_states/_scores"
+"""The target's scores of each extracted sample, beside the hidden-state index: one part per index part, with
+its own marker (built from the index part), so changing a scoring setting never re-extracts states. The folder
+starts with an underscore, so `pq.read_table(run_dir / "hidden_states")` still reads the index parts only."""
+
+SCORES = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("scored_tokens", pa.int32(), nullable=False),
+        pa.field("mean_nll", pa.float64()),
+        pa.field("top1_rate", pa.float64()),
+        pa.field("longest_low_prob_run", pa.int32(), nullable=False),
+        pa.field("end_logprob", pa.float64()),
+        pa.field("token_logprobs", pa.list_(pa.float32()), nullable=False),
+    ]
+)
+
 SCHEMAS: Final[dict[str, pa.Schema]] = {
     "prompts": PROMPTS,
     "responses": RESPONSES,
     "tokens": TOKENS,
     "validation": VALIDATION,
     "hidden_states": HIDDEN_STATES_INDEX,
+    SCORES_STAGE: SCORES,
 }

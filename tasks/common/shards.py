@@ -42,6 +42,7 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
     "tokens": ("prompts", "responses"),
     "validation": ("tokens", "responses"),
     "hidden_states": ("tokens", "validation"),
+    "hidden_states/_scores": ("hidden_states",),
 }
 """The parts (same index, other stage) each stage's part is built from: the DAG's edges at part granularity."""
 

@@ -205,10 +205,13 @@ class Prefix:
 
 @dataclass
 class Target:
-    """The target model (transformers) with the extract stage's own aux-state capture."""
+    """The target model (transformers) with the extract stage's own aux-state capture. Its greedy decodes and
+    states are kept per prompt: the trained and the untrained drafter walk the same continuations."""
 
     model: Any
     runner: HFHiddenStateRunner
+    _greedy: dict[tuple[tuple[int, ...], int], list[int]] = field(default_factory=dict)
+    _aux: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def load(cls, model_dir: Path | str, layers: Sequence[int] | None, dtype: str = "bfloat16") -> Target:
@@ -217,6 +220,12 @@ class Target:
 
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._greedy:
+            self._greedy[key] = self._decode(prompt, max_new_tokens)
+        return list(self._greedy[key])
+
+    def _decode(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         with self.runner.hooks_paused():
             out = self.model.generate(
                 torch.tensor([list(prompt)]),
@@ -235,6 +244,14 @@ class Target:
             logits = self.model(input_ids=torch.tensor([list(ids)])).logits[0].float()
         return captured.aux, logits
 
+    @torch.inference_mode()
+    def aux(self, ids: Sequence[int]) -> torch.Tensor:
+        """The aux states of a sequence the walks revisit (kept; the logits, vocabulary-wide, are not)."""
+        key = tuple(ids)
+        if key not in self._aux:
+            self._aux[key] = self.runner.run_batch([list(ids)], [0]).aux
+        return self._aux[key]
+
 
 def acceptance_walk(
     target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int
@@ -243,7 +260,7 @@ def acceptance_walk(
     generated = 0
     for prompt in prompts:
         seq = target.greedy(prompt, max_new_tokens)
-        aux, _ = target.states(seq)
+        aux = target.aux(seq)
         n, m = len(seq), len(prompt)
         generated += n - m
         prefix = drafter.prefix(aux, seq, n - 1)

@@ -1,8 +1,10 @@
 """The `evaluate` stage: the trained drafter's acceptance on the run's held-out prompts.
 
 Held-out = the validation rows of the trainer's own split: the prompts the export held out (by prompt hash),
-written after the training rows, i.e. the rows past `train_data_ratio` that its `val_epoch` reads. For those rows
-it reports
+written after the training rows, i.e. the rows past `train_data_ratio` that its `val_epoch` reads; or, with
+`prompts_file` (`evaluate --prompts FILE`), exactly the prompts of that JSONL/Parquet file (OpenAI `messages` or
+ShareGPT `conversations` rows, a trailing assistant turn dropped), rendered with the run's tokenizer and chat
+template: a held-out set of its own, as large as the figure needs. For those prompts it reports
 
 - `walk`: greedy chain verification along the target's greedy decode from each row's prompt (everything before
   the row's first loss-masked token): mean accepted length, tokens per verify step, per-position acceptance;
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tasks.common.shards import atomic_write_text
+from tasks.common.shards import atomic_write_text, done_parts, read_provenance
 from tasks.common.torch_threads import torch_threads
 from tasks.evaluate.acceptance import Drafter, Target, acceptance_walk, teacher_forced
 from tasks.train.stage import EXPORT_DIR, SUMMARY_NAME, TrainError, hidden_states_provenance
@@ -44,6 +46,40 @@ def heldout_rows(export_dir: Path, train_data_ratio: float) -> list[tuple[list[i
     split = int(len(data) * train_data_ratio)
     held = data.select(range(split, len(data)))
     return [(list(map(int, r["input_ids"])), list(map(int, r["loss_mask"]))) for r in held]
+
+
+def prompts_from_file(run_dir: Path, path: Path, target_dir: Path) -> list[list[int]]:
+    """The prompt ids of every row of `path`, rendered as the run rendered its own prompts (its tokenizer and
+    chat-template kwargs, from the run's tokens provenance; the target's own directory when that names none); a
+    malformed row is an error naming its row."""
+    from tasks.common.config import DatasetConfig, TokenizerConfig
+    from tasks.common.errors import ConfigError
+    from tasks.prepare.datasets import MalformedRow, _raw_rows, normalize_row
+    from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
+
+    if not Path(path).is_file():
+        raise ConfigError(f"--prompts {path}: no such file")
+    refs = done_parts(run_dir, "tokens")
+    prov = read_provenance(refs[0].path) if refs else {}
+    tokenizer = load_tokenizer(
+        TokenizerConfig(
+            path=Path(prov.get("tokenizer_path") or target_dir),
+            trust_remote_code=bool(prov.get("tokenizer_trust_remote_code")),
+        )
+    )
+    kwargs = prov.get("chat_template_kwargs") or {}
+    prompts = []
+    for row_no, row, error in _raw_rows(DatasetConfig(name="heldout", path=Path(path))):
+        try:
+            if error is not None:
+                raise MalformedRow(error)
+            messages = normalize_row(row, "auto")
+        except MalformedRow as exc:
+            raise ConfigError(f"--prompts {path}: row {row_no}: {exc}") from exc
+        prompts.append(render_prompt_ids(tokenizer, messages, kwargs))
+    if not prompts:
+        raise ConfigError(f"--prompts {path} holds no prompt")
+    return prompts
 
 
 def prompt_of(ids: list[int], mask: list[int]) -> list[int]:
@@ -78,7 +114,10 @@ def evaluate_run(
     max_new_tokens: int = 96,
     max_prompts: int | None = None,
     baseline: bool = True,
+    prompts_file: Path | None = None,
 ) -> dict[str, Any]:
+    """`prompts_file`: walk exactly the prompts of this file instead of the trainer's held-out rows (the
+    teacher-forced cross-check still reads the trainer's held-out rows, as its own metric does)."""
     run_dir = Path(run_dir).resolve()
     train_dir = Path(train_dir or run_dir / "train").resolve()
     summary_path = train_dir / SUMMARY_NAME
@@ -89,8 +128,11 @@ def evaluate_run(
     k = k or int(opts["ttt_steps"])
     started = time.monotonic()
     rows = heldout_rows(train_dir / EXPORT_DIR, float(summary["train_data_ratio"]))
+    prompts = prompts_from_file(run_dir, prompts_file, Path(summary["verifier"])) if prompts_file else None
     with torch_threads(1):
-        result = _evaluate(run_dir, summary, rows, max_prompts, k, max_new_tokens, baseline, started)
+        result = _evaluate(run_dir, summary, rows, prompts, max_prompts, k, max_new_tokens, baseline, started)
+    if prompts_file is not None:
+        result["prompts_file"] = str(prompts_file)
     atomic_write_text(train_dir / EVALUATION_NAME, json.dumps(result, indent=2))
     from tasks.validate.sections import add_report_section
 
@@ -102,6 +144,7 @@ def _evaluate(
     run_dir: Path,
     summary: dict[str, Any],
     rows: list[tuple[list[int], list[int]]],
+    file_prompts: list[list[int]] | None,
     max_prompts: int | None,
     k: int,
     max_new_tokens: int,
@@ -113,7 +156,10 @@ def _evaluate(
     drafter = Drafter.load(summary["checkpoint"])
     # the walks decode from (up to max_prompts of) the held-out prompts; the cross-check reads every held-out row,
     # like the trainer's own validation epoch
-    prompts = [prompt_of(ids, mask) for ids, mask in rows[:max_prompts]]
+    if file_prompts is not None:
+        prompts = file_prompts[:max_prompts]
+    else:
+        prompts = [prompt_of(ids, mask) for ids, mask in rows[:max_prompts]]
     walk = acceptance_walk(target, drafter, prompts, k, max_new_tokens)
     walk_s = time.monotonic() - started
     base = acceptance_walk(target, untrained_like(drafter), prompts, k, max_new_tokens) if baseline else None
@@ -125,6 +171,8 @@ def _evaluate(
         "checkpoint": summary["checkpoint"],
         "heldout_rows": len(rows),
         "heldout_prompts_walked": len(prompts),
+        "heldout_source": "prompts_file" if file_prompts is not None else "trainer_validation_split",
+        "walked_prompts": prompts,
         "k": k,
         "max_new_tokens": max_new_tokens,
         "walk": walk,

@@ -13,6 +13,8 @@ lm_head to its `hidden_state`, so it gets the target's own final norm applied to
 from __future__ import annotations
 
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +27,7 @@ from tasks.export.progress import ExportProgress, PartSlot, assign_slots
 from tasks.export.source import SourcePart, source_parts
 from tasks.export.split import in_validation, prompt_ids, train_ratio
 from tasks.extract.storage import DTYPES, FINAL_STATE, dtype_name
+from tasks.scoring.policy import recorded_scoring, sample_reasons
 
 ExportFormat = Literal["specforge", "speculators"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("specforge", "speculators")
@@ -74,12 +77,15 @@ def export_run(
     draft_vocab_size: int | None = None,
     target_model: Path | None = None,
     trust_remote_code: bool = False,
+    score_policy: str | None = None,
 ) -> dict[str, Any]:
     """Export every finished hidden-states part of `run_dir` to `out_dir`; returns the export's stats.
 
     `val_fraction` of the prompts (by hash of prompt id) are held out; `target_model` overrides the model
     directory recorded at extraction (read for the final norm, the vocabulary size); `draft_vocab_size` also
     writes the draft-vocabulary mapping with the trainer's own utility (which must then be installed).
+    Samples outside the run's scoring bounds (`tasks.scoring.policy`) are kept, flagged in the manifest or
+    left out, by `score_policy` (default: the run's `scoring.sample_policy`).
     """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"export format {fmt!r} not one of {list(EXPORT_FORMATS)}")
@@ -88,6 +94,18 @@ def export_run(
     started = time.monotonic()
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     parts = source_parts(run_dir)
+    scfg = recorded_scoring(run_dir)
+    if score_policy is not None:
+        if score_policy not in ("keep", "flag", "drop"):
+            raise ExportError(f"score policy {score_policy!r} not one of keep, flag, drop")
+        scfg = scfg.model_copy(update={"sample_policy": score_policy})
+    reasons, unscored = sample_reasons(run_dir, [p.ref.part for p in parts], scfg)
+    counted = Counter(r for sid in (s for p in parts for s in p.sample_ids) for r in reasons.get(sid, []))
+    dropped = 0
+    if scfg.sample_policy == "drop":
+        kept = [replace(p, rows=[r for r in p.rows if str(r["sample_id"]) not in reasons]) for p in parts]
+        dropped = sum(len(p.rows) for p in parts) - sum(len(p.rows) for p in kept)
+        parts = kept
     groups = prompt_ids(run_dir)
     slots = assign_slots(parts, lambda sid: in_validation(groups.get(sid, sid), val_fraction, split_seed))
     all_ids = [sid for p in parts for sid in p.sample_ids]
@@ -141,6 +159,7 @@ def export_run(
             },
             "vocab_files": vocab_files,
             "trainer": trainer,
+            "scores": _scores_manifest(slots, reasons, unscored, counted, dropped, scfg),
         },
     )
     return {
@@ -152,7 +171,37 @@ def export_run(
         "parts_skipped": skipped,
         "bytes_written": written,
         "stale_files_removed": stale,
+        "score_policy": scfg.sample_policy,
+        "out_of_bounds": sum(1 for p in parts for s in p.sample_ids if s in reasons) + dropped,
+        "dropped_out_of_bounds": dropped,
         "wall_s": round(time.monotonic() - started, 3),
+    }
+
+
+def _scores_manifest(
+    slots: list[PartSlot],
+    reasons: dict[str, list[str]],
+    unscored: list[int],
+    counted: Counter[str],
+    dropped: int,
+    scfg: Any,
+) -> dict[str, Any]:
+    """What the target's scores say about the exported samples: the policy and bounds applied, samples outside
+    them by reason, how many were left out, and (policy flag) each flagged sample's index and reasons."""
+    flagged = [
+        {"index": index, "sample_id": sid, "reasons": reasons[sid]}
+        for slot in slots
+        for index, sid in zip(slot.indices, slot.part.sample_ids, strict=True)
+        if sid in reasons
+    ]
+    return {
+        "policy": scfg.sample_policy,
+        "bounds": scfg.bounds(),
+        "low_prob_floor": scfg.low_prob_floor,
+        "unscored_parts": unscored,
+        "out_of_bounds_by_reason": dict(sorted(counted.items())),
+        "dropped": dropped,
+        "flagged": flagged if scfg.sample_policy == "flag" else [],
     }
 
 

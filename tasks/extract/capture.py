@@ -18,19 +18,21 @@ from dataclasses import dataclass
 import torch
 
 from tasks.common.errors import ConfigError
-from tasks.extract.writer import HostBatch
+from tasks.extract.writer import HostBatch, TokenScores
 
 
 @dataclass(frozen=True)
 class CapturedBatch:
     """`aux` [rows, n_aux*H] and `final` [rows, H] (None when only aux states are stored) of one forward pass;
-    `padded_tokens` is what the pass computed, padding included, for the padding-waste figure."""
+    `padded_tokens` is what the pass computed, padding included, for the padding-waste figure; `scores` the
+    target's scores of the batch's answer tokens, when the backend computed them in the same pass."""
 
     indices: list[int]
     row_counts: list[int]
     aux: torch.Tensor
     final: torch.Tensor | None
     padded_tokens: int
+    scores: TokenScores | None = None
 
 
 PASS_COST_FRACTION = 16
@@ -116,13 +118,23 @@ class HostStager:
             raise ConfigError(f"captured aux and final states live on different devices: {[t.device for t in tensors]}")
         aux_flags = nonfinite_rows(batch.aux)
         final_flags = nonfinite_rows(batch.final) if batch.final is not None else None
+        scores = batch.scores
+        if scores is not None and {scores.logprobs.device, scores.top1.device} != {device}:
+            raise ConfigError(f"token scores live on {scores.logprobs.device}, the captured states on {device}")
         if device.type != "cuda":
-            return HostBatch(batch.indices, batch.row_counts, batch.aux, batch.final, aux_flags, final_flags)
+            return HostBatch(batch.indices, batch.row_counts, batch.aux, batch.final, aux_flags, final_flags, scores)
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        sources = [batch.aux, batch.final, aux_flags, final_flags]
+        sources = [
+            batch.aux,
+            batch.final,
+            aux_flags,
+            final_flags,
+            scores.logprobs if scores is not None else None,
+            scores.top1 if scores is not None else None,
+        ]
         hosts: list[torch.Tensor | None] = []
         with torch.cuda.stream(stream):
             for source in sources:
@@ -135,9 +147,14 @@ class HostStager:
                 hosts.append(host)
             event = torch.cuda.Event()
             event.record(stream)
-        aux_host, final_host, aux_flags_host, final_flags_host = hosts
+        aux_host, final_host, aux_flags_host, final_flags_host, logprobs_host, top1_host = hosts
         if aux_host is None or aux_flags_host is None:
             raise ConfigError("staging lost the aux states or their flags")
+        host_scores = None
+        if scores is not None:
+            if logprobs_host is None or top1_host is None:
+                raise ConfigError("staging lost the token scores")
+            host_scores = TokenScores(logprobs_host, top1_host, scores.counts)
         return HostBatch(
             batch.indices,
             batch.row_counts,
@@ -145,5 +162,6 @@ class HostStager:
             final_host,
             aux_flags_host,
             final_flags_host,
+            host_scores,
             ready=event.synchronize,
         )

@@ -15,12 +15,17 @@ rows are still being copied to the host (`capture.HostStager`).
 
 `device_map` hands placement to accelerate (layers spread over the visible GPUs, for models larger than one);
 inputs then go to the embedding's device and the buffers live where the final norm runs.
+
+Scoring (`score_from` given): the decoder's own normed output, the lm_head's input, is scored in the same pass
+for the answer tokens only (`score_head.ScoreHead.score_normed`: chunked logits on the device, one float and
+one bool per token kept), and the scores travel to the host with the states.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -31,8 +36,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tasks.common.errors import ConfigError
 from tasks.extract.capture import CapturedBatch, plan_padded_batches
+from tasks.extract.devices import module_device
 from tasks.extract.layers import resolve_layers
+from tasks.extract.score_head import ScoreHead, plan_token_scores
 from tasks.extract.storage import DTYPES, FINAL_STATE, NO_FINAL_STATE, StateLayout, dtype_name
+from tasks.extract.writer import TokenScores
 
 if TYPE_CHECKING:
     from tasks.common.config import PipelineConfig
@@ -69,26 +77,12 @@ def _norm_input(args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
     raise ConfigError("the final norm was called without a hidden-state tensor; cannot capture its input")
 
 
-def _module_device(module: nn.Module, fallback: torch.device) -> torch.device:
-    """Where `module` computes. A module accelerate dispatched with offloading (`device_map` entries "cpu" or
-    "disk" next to GPUs, or a model larger than the GPUs) keeps its parameters on `meta` between forwards; its
-    hook's `execution_device` is where its inputs and outputs live."""
-    hook = getattr(module, "_hf_hook", None)
-    for each in [hook, *getattr(hook, "hooks", ())]:
-        device = getattr(each, "execution_device", None)
-        if device is not None:
-            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    for param in module.parameters():
-        if param.device.type != "meta":
-            return param.device
-    return fallback
-
-
 class HFHiddenStateRunner:
     """A target model with hooks capturing aux (and final) states per batch; build it with `load` or
     `from_config`, or wrap an already built model (benchmarks, tests) with the constructor."""
 
     backend = "hf"
+    scores_in_pass = True
 
     def __init__(
         self,
@@ -125,8 +119,8 @@ class HFHiddenStateRunner:
         if len(decoder_layers) != self.num_layers:
             raise ConfigError(f"config says {self.num_layers} layers, the decoder holds {len(decoder_layers)}")
         embeddings = model.get_input_embeddings()
-        self.input_device = _module_device(embeddings, torch.device("cpu"))
-        self.capture_device = _module_device(norm, self.input_device)
+        self.input_device = module_device(embeddings, torch.device("cpu"))
+        self.capture_device = module_device(norm, self.input_device)
         self.layout = StateLayout(tuple(self.layers), self.hidden_size, self.dtype, store_final_state)
         self._capturing = True
         self._keep: dict[torch.device, torch.Tensor] = {}
@@ -145,6 +139,7 @@ class HFHiddenStateRunner:
                     with_kwargs=True,
                 )
             )
+        self._scoring: tuple[Sequence[int], int] | None = None
         self.forward_passes = 0
 
     @classmethod
@@ -218,6 +213,11 @@ class HFHiddenStateRunner:
 
         return capture
 
+    @cached_property
+    def score_head(self) -> ScoreHead:
+        """The model's own final norm and lm_head (built on first use: a model without an lm_head still extracts)."""
+        return ScoreHead.from_model(self._model)
+
     @contextmanager
     def hooks_paused(self) -> Iterator[None]:
         """Run the decoder without capturing (the benchmark's raw-forward reference)."""
@@ -263,8 +263,15 @@ class HFHiddenStateRunner:
         ids = ids.to(self.input_device, non_blocking=True)
         return ids, mask.to(self.input_device, non_blocking=True) if padded else None
 
-    def run_batch(self, sequences: Sequence[Sequence[int]], indices: Sequence[int]) -> CapturedBatch:
-        """One right-padded forward pass; the batch's rows, unpadded and in `indices` order, on the device."""
+    def run_batch(
+        self,
+        sequences: Sequence[Sequence[int]],
+        indices: Sequence[int],
+        score_from: Sequence[int] | None = None,
+        chunk_tokens: int = 512,
+    ) -> CapturedBatch:
+        """One right-padded forward pass; the batch's rows, unpadded and in `indices` order, on the device; with
+        `score_from` (per sample, the first answer position) also the answer tokens' scores."""
         lengths = [len(s) for s in sequences]
         width = max(lengths, default=0)
         rows = sum(lengths)
@@ -282,10 +289,13 @@ class HFHiddenStateRunner:
         self._keep = {torch.device("cpu"): keep}
         self._aux, self._final = aux, final
         self._filled.clear()
+        scores = None
         try:
             ids, mask = self.pad_batch(sequences)
             with torch.inference_mode():
-                self.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+                out = self.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
+                if score_from is not None:
+                    scores = self._score(out, sequences, score_from, width, chunk_tokens)
             self.forward_passes += 1
             expected = {f"layer{k}" for k in self.layers} | ({"final"} if self.store_final_state else set())
             missing = sorted(expected - self._filled)
@@ -294,23 +304,53 @@ class HFHiddenStateRunner:
         finally:
             self._aux = self._final = None
             self._keep = {}
-        return CapturedBatch(list(indices), lengths, aux, final, len(sequences) * width)
+        return CapturedBatch(list(indices), lengths, aux, final, len(sequences) * width, scores)
+
+    def _score(
+        self, out: Any, sequences: Sequence[Sequence[int]], score_from: Sequence[int], width: int, chunk_tokens: int
+    ) -> TokenScores:
+        normed = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        rows, targets, counts = plan_token_scores(
+            [list(s) for s in sequences],
+            list(score_from),
+            [n * width for n in range(len(sequences))],
+            pin=self.score_head.device.type == "cuda",
+        )
+        logprobs, top1 = self.score_head.score_normed(normed.reshape(-1, self.hidden_size), rows, targets, chunk_tokens)
+        device = self.capture_device
+        return TokenScores(logprobs.to(device, non_blocking=True), top1.to(device, non_blocking=True), counts)
 
     def plan_batches(self, lengths: Sequence[int]) -> list[list[int]]:
         return plan_padded_batches(lengths, self.max_tokens_per_batch)
+
+    @contextmanager
+    def scoring(self, score_from: Sequence[int], chunk_tokens: int) -> Iterator[None]:
+        """While open, `iter_captures` also scores each sample's tokens from position `score_from[i]` on (the
+        indices of the sequences it is given)."""
+        self._scoring = (score_from, chunk_tokens)
+        try:
+            yield
+        finally:
+            self._scoring = None
 
     def iter_captures(
         self, sequences: Sequence[Sequence[int]], batches: Sequence[Sequence[int]]
     ) -> Iterator[CapturedBatch]:
         """Yield batch by batch (kernels possibly still running) so the caller can overlap copies and writes."""
         for batch in batches:
-            yield self.run_batch([sequences[i] for i in batch], batch)
+            rows = [sequences[i] for i in batch]
+            if self._scoring is None:
+                yield self.run_batch(rows, batch)
+            else:
+                score_from, chunk_tokens = self._scoring
+                yield self.run_batch(rows, batch, [score_from[i] for i in batch], chunk_tokens)
 
     def close(self) -> None:
         """Remove the hooks and drop the model, so a long-lived process can free accelerator memory."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self.__dict__.pop("score_head", None)
         del self._model
         del self.decoder
         if torch.cuda.is_available():

@@ -31,6 +31,7 @@ so the engine disables the radix cache and the stage's writer compares every cou
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,6 +66,9 @@ class SGLangHiddenStateRunner:
     """The stage's runner over an SGLang engine: batch planning, the layer-convention check, unpacking."""
 
     backend = "sglang"
+    scores_in_pass = False
+    """SGLang keeps its lm_head to itself (vocabulary-parallel across ranks): the stage scores the stored final
+    states through the target's norm and lm_head after each part (`scores.rescore_part`)."""
 
     def __init__(
         self,
@@ -150,6 +154,9 @@ class SGLangHiddenStateRunner:
                 "(raise extract.sglang_mem_fraction_static or tp_size)"
             )
         return plan_ragged_batches(lengths, budget, self.engine.max_batch_requests)
+
+    def scoring(self, score_from: Sequence[int], chunk_tokens: int) -> AbstractContextManager[None]:
+        raise ConfigError("the sglang runner does not score in the forward pass (scores_in_pass is false)")
 
     def iter_captures(
         self, sequences: Sequence[Sequence[int]], batches: Sequence[Sequence[int]]

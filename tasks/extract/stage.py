@@ -8,13 +8,21 @@ index part (written last, with its marker) makes shards visible to readers.
 The model and the disk run concurrently: the main thread launches forward passes and hands each batch to
 `HostStager` (device-to-host copy on a side stream) and then to the `ShardStreamWriter` thread, which checks
 and writes the previous batches while the next one computes.
+
+With `scoring.enabled` (and a backend that can score: `PipelineConfig.scores_extracted`) every part also gets a
+scores part (`scores.py`), written after its index part: scored in the same forward pass where the backend can
+(`hf`), else from the stored final states right after the part is written (`sglang`). A current index part whose
+scores are missing or stale gets them without a forward pass when its final states are stored; an aux-only part
+is extracted again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -35,8 +43,20 @@ from tasks.common.shards import (
 )
 from tasks.extract.capture import CapturedBatch, HostStager
 from tasks.extract.gpu_check import check_before_load
+from tasks.extract.score_head import ScoreHead
+from tasks.extract.scores import (
+    ScoreCollector,
+    check_vocabulary,
+    ensure_scores,
+    refloorable,
+    score_starts,
+    scores_current,
+    stores_final_states,
+    write_scores_part,
+)
 from tasks.extract.storage import (
     DATA_DIR,
+    DTYPES,
     FINAL_STATE,
     FINAL_STATE_META,
     HIDDEN_DIR,
@@ -76,6 +96,11 @@ class HiddenStateRunner(Protocol):
     def iter_captures(
         self, sequences: Sequence[Sequence[int]], batches: Sequence[Sequence[int]]
     ) -> Iterator[CapturedBatch]: ...
+
+    def scoring(self, score_from: Sequence[int], chunk_tokens: int) -> AbstractContextManager[None]:
+        """While open, captured batches also carry their answer tokens' scores (backends whose `scores_in_pass`
+        is true; the others raise)."""
+        ...
 
 
 def make_runner(cfg: PipelineConfig) -> HiddenStateRunner:
@@ -139,9 +164,48 @@ def hidden_states_build(cfg: PipelineConfig, part: int) -> Build:
     return Build(input_fingerprints(out, stages), recipe_digest(hidden_states_recipe(cfg)))
 
 
-def hidden_states_current(cfg: PipelineConfig, part: int) -> bool:
+def index_current(cfg: PipelineConfig, part: int) -> bool:
+    """The hidden-states part itself (index, shards) is current; its scores are another matter."""
     ref = PartRef(cfg.run_dir, HIDDEN_DIR, part)
     return is_current(ref, hidden_states_build(cfg, part)) and marker_is_current(read_marker(ref)["stats"])
+
+
+def hidden_states_current(cfg: PipelineConfig, part: int) -> bool:
+    """Nothing left to do for this part: its states and (with scoring on) its scores are current."""
+    return index_current(cfg, part) and (not cfg.scores_extracted or scores_current(cfg, part))
+
+
+def needs_forward_pass(cfg: PipelineConfig, part: int) -> bool:
+    """Whether making this part current needs the target model loaded (not for scores alone, unless the part
+    stores aux states only and has no scores to recount)."""
+    if not index_current(cfg, part):
+        return True
+    if not cfg.scores_extracted or scores_current(cfg, part) or refloorable(cfg, part):
+        return False
+    return not stores_final_states(cfg, part)
+
+
+_HEADS: dict[tuple[str, str, str], ScoreHead] = {}
+
+
+def score_head_for(cfg: PipelineConfig, runner: HiddenStateRunner | None) -> ScoreHead:
+    """The runner's own head when it exposes one (hf), else the target's norm and lm_head read alone from the
+    checkpoint, once per process (sglang, or scores of finished parts when no model is loaded)."""
+    head = getattr(runner, "score_head", None) if runner is not None else None
+    if isinstance(head, ScoreHead):
+        return head
+    from tasks.extract.hf_backend import resolve_device
+
+    device = resolve_device(cfg.extract.device)
+    key = (str(cfg.extract_model_path), cfg.extract.dtype, str(device))
+    if key not in _HEADS:
+        _HEADS[key] = ScoreHead.load(
+            cfg.extract_model_path,
+            DTYPES[cfg.extract.dtype],
+            device,
+            trust_remote_code=cfg.tokenizer.trust_remote_code,
+        )
+    return _HEADS[key]
 
 
 def failed_validation_ids(cfg: PipelineConfig, part: int) -> set[str] | None:
@@ -157,25 +221,41 @@ def failed_validation_ids(cfg: PipelineConfig, part: int) -> set[str] | None:
 def extract_part(
     cfg: PipelineConfig,
     part: int,
-    runner: HiddenStateRunner,
+    runner: HiddenStateRunner | None,
     *,
     free_bytes: FreeSpaceProbe = disk_free_bytes,
 ) -> dict[str, Any]:
-    """Capture and store hidden states for every (non-failed) sample of tokens part `part`; returns stats."""
+    """Capture and store hidden states for every (non-failed) sample of tokens part `part`, and score their
+    answers; returns stats. `runner` may be None when `needs_forward_pass` says the part needs no model."""
     out_ref = PartRef(cfg.run_dir, HIDDEN_DIR, part)
     build = hidden_states_build(cfg, part)
     if is_current(out_ref, build):
         stats: dict[str, Any] = read_marker(out_ref)["stats"]
         if marker_is_current(stats):
-            return stats
-        out_ref.marker.unlink()  # written with another final-state meaning: redo it, unreadable meanwhile
+            if not cfg.scores_extracted:
+                return stats
+            scored = ensure_scores(cfg, part, lambda: score_head_for(cfg, runner))
+            if scored is not None:
+                return {**stats, "scores": scored}
+        out_ref.marker.unlink()  # another final-state meaning, or aux-only without scores: redo it
+    if runner is None:
+        raise ConfigError(f"{out_ref} needs a forward pass, and no hidden-state runner was given")
     _check_runner_matches(cfg, runner)
-    tokens = read_part(PartRef(cfg.run_dir, "tokens", part), columns=["sample_id", "dataset", "input_ids"])
+    tokens = read_part(
+        PartRef(cfg.run_dir, "tokens", part), columns=["sample_id", "dataset", "input_ids", "prompt_len"]
+    )
     failed = failed_validation_ids(cfg, part) if cfg.extract.skip_failed_validation else None
     rows = [r for r in tokens.to_pylist() if failed is None or r["sample_id"] not in failed]
     sequences: list[list[int]] = [r["input_ids"] for r in rows]
     lengths = [len(s) for s in sequences]
     n_tokens = sum(lengths)
+    in_pass = cfg.scores_extracted and bool(getattr(runner, "scores_in_pass", False))
+    starts = score_starts(rows) if in_pass else None
+    collector = None
+    if starts is not None:
+        check_vocabulary([r["sample_id"] for r in rows], sequences, score_head_for(cfg, runner).vocab_size)
+        expected = [n - start for n, start in zip(lengths, starts, strict=True)]
+        collector = ScoreCollector([r["sample_id"] for r in rows], expected, cfg.scoring.low_prob_floor)
 
     data_dir = cfg.run_dir / HIDDEN_DIR / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -188,16 +268,25 @@ def extract_part(
     batches = runner.plan_batches(lengths)
     plan = plan_shards(part, [i for b in batches for i in b], lengths, layout, cfg.extract.max_shard_bytes)
     writer = ShardStreamWriter(
-        cfg.run_dir, plan, layout, [r["sample_id"] for r in rows], sequences, queue_batches=WRITER_QUEUE_BATCHES
+        cfg.run_dir,
+        plan,
+        layout,
+        [r["sample_id"] for r in rows],
+        sequences,
+        queue_batches=WRITER_QUEUE_BATCHES,
+        on_ready=collector.collect if collector is not None else None,
     )
     stager = HostStager()
     padded_tokens = 0
     n_batches = 0
+    started = time.monotonic()
+    scoring = nullcontext() if starts is None else runner.scoring(starts, cfg.scoring.logits_chunk_tokens)
     try:
-        for batch in runner.iter_captures(sequences, batches):
-            n_batches += 1
-            padded_tokens += batch.padded_tokens
-            writer.submit(stager.stage(batch))
+        with scoring:
+            for batch in runner.iter_captures(sequences, batches):
+                n_batches += 1
+                padded_tokens += batch.padded_tokens
+                writer.submit(stager.stage(batch))
         writer.close()
     except BaseException:
         writer.abort()
@@ -237,4 +326,10 @@ def extract_part(
         "submit_wait_s": round(writer.submit_wait_s, 4),
     }
     write_part(out_ref, index, {**cfg.provenance(), **runner.provenance()}, stats, build)
+    if collector is not None:
+        head = score_head_for(cfg, runner).describe()
+        datasets = [r["dataset"] for r in rows]
+        return {**stats, "scores": write_scores_part(cfg, part, collector.table(datasets), "extraction", head, started)}
+    if cfg.scores_extracted:
+        return {**stats, "scores": ensure_scores(cfg, part, lambda: score_head_for(cfg, runner))}
     return stats

@@ -39,13 +39,23 @@ from tasks.extract.storage import (
 )
 
 
+@dataclass(frozen=True)
+class TokenScores:
+    """The target's scores of one batch's answer tokens, samples back to back in the batch's `indices` order:
+    `logprobs` [S] float32, `top1` [S] bool, `counts[n]` tokens scored for the batch's n-th sample."""
+
+    logprobs: torch.Tensor
+    top1: torch.Tensor
+    counts: list[int]
+
+
 @dataclass
 class HostBatch:
     """One batch's states on the host. `ready()` blocks until asynchronous device-to-host copies have landed.
 
     `indices` are positions in the part's sample list, `row_counts` the rows the backend captured for each
     (checked here against the sample's token count), `aux_nonfinite` / `final_nonfinite` per-row NaN/Inf flags
-    computed on the device.
+    computed on the device, `scores` the answer tokens' scores when they were computed in the same pass.
     """
 
     indices: list[int]
@@ -54,6 +64,7 @@ class HostBatch:
     final: torch.Tensor | None
     aux_nonfinite: torch.Tensor
     final_nonfinite: torch.Tensor | None = None
+    scores: TokenScores | None = None
     ready: Callable[[], None] = field(default=lambda: None)
 
 
@@ -100,7 +111,11 @@ class ShardStreamWriter:
         input_ids: Sequence[Sequence[int]],
         *,
         queue_batches: int = 2,
+        on_ready: Callable[[HostBatch], None] | None = None,
     ) -> None:
+        """`on_ready(batch)`, when given, runs on the writer thread once a batch's copies have landed and its
+        states passed their checks, before its bytes are written (the scores collector); what it raises fails
+        the part like a failed check."""
         if len(plan.placements) != len(sample_ids) or len(sample_ids) != len(input_ids):
             raise ValueError("plan, sample ids and input ids must describe the same samples")
         self.root = Path(run_dir) / HIDDEN_DIR
@@ -108,6 +123,7 @@ class ShardStreamWriter:
         self.layout = layout
         self.sample_ids = list(sample_ids)
         self.input_ids = input_ids
+        self.on_ready = on_ready
         self.bytes_written = 0
         self.busy_s = 0.0
         self.ready_wait_s = 0.0
@@ -244,6 +260,8 @@ class ShardStreamWriter:
         ready = time.monotonic()
         self.ready_wait_s += ready - started
         runs = self._check_batch(batch)
+        if self.on_ready is not None:
+            self.on_ready(batch)
         aux_row = self.layout.aux_width * self.layout.dtype.itemsize
         final_row = self.layout.hidden_size * self.layout.dtype.itemsize
         for run in runs:

@@ -11,6 +11,17 @@ Every answer is sorted into exactly one of three classes, because each needs a d
 - run-fatal (401/403/404, 402 without Retry-After): no request can succeed, so stop the run with
   `FatalEndpointError` instead of burning through every sample.
 No message, row or exception produced here contains the API key (`redact`).
+
+Money: each attempt ends in one spend-ledger state (`tasks.generate.ledger`). The line between `unsent` ($0) and
+`pending` (worst case until settled) is drawn by where the failure happened, never by guessing:
+- `aiohttp.ClientConnectorError` (and its DNS, proxy, TLS and certificate subclasses) and
+  `ConnectionTimeoutError` come from establishing a new connection, before a byte of the request is written
+  (aiohttp never retries a POST on a stale pooled connection): `unsent`;
+- everything after that may have reached the server: a reset or a disconnect on a reused keep-alive connection
+  (the server may have read the request before it closed), a read timeout, a cut stream, a cancelled or killed
+  request: `pending`, with the generation id when the `X-Generation-Id` header or the first streamed chunk gave it.
+When in doubt it is `pending`: an over-count the provider's records can settle, never an under-count.
+The endpoint as a whole going down is the circuit breaker's business (`tasks.generate.breaker`).
 """
 
 from __future__ import annotations
@@ -20,10 +31,11 @@ import json
 import random
 import resource
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
+from functools import partial
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -31,8 +43,9 @@ import aiohttp
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig
-from tasks.common.errors import EndpointUnavailableError, FatalEndpointError
+from tasks.common.errors import FatalEndpointError
 from tasks.common.messages import Message
+from tasks.generate.breaker import CircuitBreaker, OutageEvent
 from tasks.generate.endpoints import (
     CompletionMarkers,
     EndpointRequest,
@@ -43,7 +56,8 @@ from tasks.generate.endpoints import (
     parse_response,
 )
 from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
-from tasks.generate.ledger import LedgerWriter
+from tasks.generate.ledger import LedgerWriter, Outcome
+from tasks.generate.progress import RunEvent, emit_event
 from tasks.generate.sse import StreamAssembler
 from tasks.generate.stall_watch import StallWatch, stop_per_read_timer
 
@@ -53,8 +67,11 @@ RATE_LIMIT_STATUS = frozenset({429, 402})
 RETRY_AFTER_CAP_S = 3600.0
 ERROR_SNIPPET_CHARS = 300
 RETRYABLE_FINISH = frozenset({"error", "abort"})
-# Failures that say the endpoint as a whole is unreachable or overloaded, not that this sample is bad.
-OUTAGE_REASONS = frozenset({"connection", "timeout", "http_502", "http_503", "http_504"})
+# Failures that say the endpoint as a whole may be unreachable or overloaded, not that this sample is bad.
+OUTAGE_REASONS = frozenset({"connect", "connection", "timeout", "http_502", "http_503", "http_504"})
+GENERATION_ID_HEADER = "X-Generation-Id"
+# Connection failures raised while a new connection is established, before the request is written: `unsent`.
+NEVER_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "context window", "too many tokens")
 # Window regrowth per healthy answer: from half of 2,000 back to 2,000 in ~4,000 answers (seconds at full rate).
 GROWTH_PER_SUCCESS = 0.25
@@ -69,14 +86,23 @@ class RetryableError(Exception):
         retry_after_s: float | None = None,
         billed: float | None = 0.0,
         generation_id: str | None = None,
+        sent: bool = True,
     ) -> None:
-        """`billed`: what this failed attempt cost, 0.0 when nothing was billed, None when unknown (the
-        budget then charges the attempt's worst case; with a `generation_id` the ledger can reconcile it)."""
+        """`billed`: what this failed attempt cost, 0.0 when nothing was billed, None when unknown (pending: the
+        budget charges the attempt's worst case until the provider's records settle it). `sent=False`: the
+        request never left the process (`unsent`, $0, no attempt used up)."""
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.billed = billed
         self.generation_id = generation_id
+        self.sent = sent
+
+    @property
+    def outcome(self) -> Outcome:
+        if not self.sent:
+            return "unsent"
+        return "pending" if self.billed is None else "answered"
 
 
 class SampleFatalError(Exception):
@@ -231,11 +257,13 @@ class Budget:
     """
 
     def __init__(self, cap_usd: float | None, spent_before_usd: float) -> None:
+        """`spent_usd` counts billed plus pending at worst case (the ledger's `counted_usd`)."""
         self.cap_usd = cap_usd
         self.prior_usd = spent_before_usd
         self.spent_usd = spent_before_usd
         self.reserved_usd = 0.0
         self.stopped = False
+        self.started = time.monotonic()
         self._waiters: deque[tuple[asyncio.Future[None], float]] = deque()
         self._retry_waiters: deque[tuple[asyncio.Future[None], float]] = deque()
 
@@ -280,6 +308,15 @@ class Budget:
                 fut.set_result(None)
             elif self.reserved_usd <= 0.0:
                 self.stopped = True
+                emit_event(
+                    RunEvent(
+                        "budget_stop",
+                        f"budget cap reached: {self.spent_usd:.4f} USD counted (billed + pending at worst case) of "
+                        f"endpoint.max_cost_usd={self.cap_usd:g}, and the next request's worst case "
+                        f"{amount:.4f} USD does not fit; no new request starts, finished samples are committed",
+                        time.monotonic() - self.started,
+                    )
+                )
                 for waiters in (self._retry_waiters, self._waiters):
                     while waiters:
                         waiter, need = waiters.popleft()
@@ -319,13 +356,26 @@ class EndpointClient:
         self.budget = budget or Budget(ep.max_cost_usd, 0.0)
         self.ledger = ledger
         self.successes = 0
-        self.unknown_with_id: list[tuple[str, str, float]] = []  # (uid, generation id, worst case): reconcilable
-        self._probe: asyncio.Future[bool] | None = None
-        self._probe_started = 0.0
+        # This run's attempts by ledger state, live (the ledger itself is read back only between runs).
+        self.billed_usd = 0.0
+        self.pending_usd = 0.0
+        self.pending_attempts = 0
+        self.unsent_attempts = 0
+        self.retries_by_reason: Counter[str] = Counter()
+        self.started = time.monotonic()
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
         self._fatal: FatalEndpointError | None = None
         self._last_success = time.monotonic()
+        self.breaker = CircuitBreaker(
+            self._probe_once,
+            lambda: self._last_success,
+            self._outage_event,
+            probe_min_s=ep.outage_probe_min_s,
+            probe_max_s=ep.outage_probe_max_s,
+            abort_s=ep.outage_abort_s,
+            where=f"endpoint {ep.base_url}",
+        )
 
     async def __aenter__(self) -> EndpointClient:
         ep = self.cfg.endpoint
@@ -350,12 +400,16 @@ class EndpointClient:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._probe is not None and not self._probe.done():
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+        await self.breaker.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("EndpointClient used outside 'async with'")
+        return self._session
 
     def redact(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
@@ -396,6 +450,7 @@ class EndpointClient:
         attempt = charged = 0
         cost = 0.0
         retries: list[str] | None = None
+        window, breaker = self.window, self.breaker
         while True:
             if budget.cap_usd is not None:  # without a cap `reserve` returns at once: no coroutine per attempt
                 try:
@@ -407,25 +462,50 @@ class EndpointClient:
             attempt += 1
             started = time.perf_counter()
             uid: str | None = None  # set once the attempt's "sent" record is written, right before the POST
+            sent = trial = False
             successes_before, sent_at = self.successes, time.monotonic()
             try:
                 if self._session is None:
                     raise RuntimeError("EndpointClient used outside 'async with'")
-                seq = await self.window.acquire()
-                uid = self._admitted(tag, worst)
+                while True:  # a slot in the window while the breaker lets requests through
+                    if not breaker.sendable():
+                        await breaker.wait()
+                    seq = await window.acquire()
+                    try:
+                        taken = breaker.take()
+                    except BaseException:
+                        window.release()
+                        raise
+                    if taken is not None:
+                        trial = taken
+                        break
+                    window.release()
+                successes_before, sent_at = self.successes, time.monotonic()
+                uid = self._admitted(tag, worst, trial)
+                sent = True
                 try:
                     async with self._session.post(url, data=data) as resp:  # Content-Type: the session's (JSON)
                         status, headers = resp.status, resp.headers
+                        header_id = headers.get(GENERATION_ID_HEADER)
+                        if header_id and uid is not None and self.ledger is not None:
+                            self.ledger.generation(uid, header_id)
                         if status in RATE_LIMIT_STATUS and (status != 402 or "Retry-After" in headers):
                             # Before the slot is released: otherwise a waiter takes it under the limit that just
                             # failed.
-                            self.window.on_rate_limited(seq, parse_retry_after(headers.get("Retry-After")))
+                            window.on_rate_limited(seq, parse_retry_after(headers.get("Retry-After")))
                         if status == 200 and resp.content_type == "text/event-stream":
-                            body = await self._read_stream(resp)
+                            on_id = None
+                            if uid is not None and self.ledger is not None and not header_id:
+                                on_id = partial(self.ledger.generation, uid)
+                            body = await self._read_stream(resp, on_id)
                             raw = b""
                         else:
                             raw = await resp.read()
                             body = None
+                except NEVER_SENT_ERRORS as exc:
+                    raise RetryableError(
+                        "connect", self.redact(f"{type(exc).__name__}: {exc}"), billed=0.0, sent=False
+                    ) from exc
                 except TimeoutError as exc:
                     raise RetryableError(
                         "timeout",
@@ -441,37 +521,50 @@ class EndpointClient:
                         generation_id=getattr(exc, "generation_id", None),
                     ) from exc
                 finally:
-                    self.window.release()
+                    window.release()
                 result = self._answer(status, headers, raw, body, url, prompt_ids)
             except SampleFatalError as exc:
                 budget.settle(worst, 0.0)
-                self._settled(uid, worst, 0.0, None, exc.reason)
+                self._ended(uid, "answered", 0.0, None, exc.reason, worst)
                 return SampleOutcome(None, exc.reason, str(exc), attempt, None, retries or [], cost)
             except RetryableError as exc:
-                billed = worst if exc.billed is None else exc.billed
-                budget.settle(worst, billed)
-                self._settled(uid, worst, exc.billed, exc.generation_id, exc.reason)
-                cost += exc.billed or 0.0  # the row's known cost; the ledger counts an unknown at worst case
-                outage = exc.reason in OUTAGE_REASONS and await self._outage_check(url, exc, successes_before, sent_at)
-                charged += not outage
+                outcome = exc.outcome
+                budget.settle(worst, worst if outcome == "pending" else exc.billed or 0.0)
+                self._ended(uid, outcome, exc.billed, exc.generation_id, exc.reason, worst)
+                cost += exc.billed or 0.0  # the row's known cost; the ledger counts a pending one at worst case
+                outage = exc.reason in OUTAGE_REASONS and await breaker.judge(
+                    sent_at, self.successes != successes_before, trial, str(exc)
+                )
+                charged += not (outage or outcome == "unsent")
                 if charged >= ep.max_attempts:
                     message = f"gave up after {attempt} attempts: {exc}"
                     return SampleOutcome(None, exc.reason, message, attempt, None, retries or [], cost)
                 if retries is None:
                     retries = []
                 retries.append(exc.reason)
-                delay = backoff_delay(attempt if outage else charged, ep.backoff_base_s, ep.backoff_max_s, self.rng)
+                self.retries_by_reason[exc.reason] += 1
+                if outage:  # the breaker holds every sender until the endpoint answers again
+                    continue
+                delay = backoff_delay(charged or attempt, ep.backoff_base_s, ep.backoff_max_s, self.rng)
                 if exc.retry_after_s is not None:
                     delay = exc.retry_after_s + self.rng.uniform(0.0, min(ep.backoff_base_s, ep.backoff_max_s))
                 await asyncio.sleep(delay)
                 continue
+            except FatalEndpointError:
+                budget.settle(worst, 0.0)
+                if sent:  # the endpoint answered 401/403/404/402: nothing is billed for a refusal
+                    self._ended(uid, "answered", 0.0, None, "fatal", worst)
+                raise
             except BaseException:
-                # Cancelled or run-fatal: once sent, what it cost is unknown, so it counts at its worst case.
-                budget.settle(worst, worst if uid is not None else 0.0)
-                self._settled(uid, worst, None, None, "cancelled")
+                # Cancelled or stopped by an outage: once sent, what it cost is unknown (pending at worst case).
+                if trial:
+                    breaker.release_trial()
+                budget.settle(worst, worst if sent else 0.0)
+                if sent:
+                    self._ended(uid, "pending", None, None, "cancelled", worst)
                 raise
             budget.settle(worst, result.cost_usd or 0.0)
-            self._settled(uid, worst, result.cost_usd or 0.0, result.generation_id, None)
+            self._ended(uid, "answered", result.cost_usd or 0.0, result.generation_id, None, worst)
             cost += result.cost_usd or 0.0
             latency = time.perf_counter() - started
             # /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of
@@ -480,11 +573,14 @@ class EndpointClient:
                 result.billed_cost_usd = await self.lookup_cost(result.generation_id)
             return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
 
-    def _admitted(self, tag: AttemptTag | None, worst_usd: float) -> str | None:
+    def _admitted(self, tag: AttemptTag | None, worst_usd: float, trial: bool) -> str | None:
         """Right after a window slot is granted, before the POST: refuse if the run hit a run-fatal answer, else
-        write the attempt's "sent" ledger record and return its uid. The slot is released if either raises."""
+        write the attempt's "sent" ledger record and return its uid. Slot and trial are released if either
+        raises."""
         if self._fatal is not None:
             self.window.release()
+            if trial:
+                self.breaker.release_trial()
             raise FatalEndpointError(str(self._fatal))
         uid = None
         if self.ledger is not None and tag is not None:
@@ -492,45 +588,33 @@ class EndpointClient:
                 uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, worst_usd)
             except BaseException:
                 self.window.release()
+                if trial:
+                    self.breaker.release_trial()
                 raise
         self.requests_sent += 1
         return uid
 
-    def _settled(
-        self, uid: str | None, worst_usd: float, cost: float | None, generation_id: str | None, reason: str | None
+    def _ended(
+        self,
+        uid: str | None,
+        outcome: Outcome,
+        cost: float | None,
+        generation_id: str | None,
+        reason: str | None,
+        worst_usd: float,
     ) -> None:
+        if outcome == "pending":
+            self.pending_usd += worst_usd
+            self.pending_attempts += 1
+        elif outcome == "unsent":
+            self.unsent_attempts += 1
+        else:
+            self.billed_usd += cost or 0.0
         if self.ledger is not None and uid is not None:
-            self.ledger.settled(uid, cost, generation_id, reason)
-            if cost is None and generation_id:
-                self.unknown_with_id.append((uid, generation_id, worst_usd))
+            self.ledger.ended(uid, outcome, cost, generation_id, reason)
 
-    async def _outage_check(self, url: str, exc: RetryableError, successes_before: int, sent_at: float) -> bool:
-        """True when a transport failure should not use up the sample's attempts because the endpoint as a
-        whole is failing: no request succeeded since this one was sent, and a liveness probe sent after it
-        fails too. Whatever the timings, an outage uses up no attempt; a sample that fails while the endpoint
-        answers is charged. Raises `EndpointUnavailableError` once nothing has answered for `outage_abort_s`,
-        so an outage stops the run (resumably) instead of turning every sample into a failed row."""
-        if self.successes != successes_before or not await self._endpoint_down(sent_at):
-            return False
-        silent_s = time.monotonic() - self._last_success
-        if silent_s >= self.cfg.endpoint.outage_abort_s:
-            raise EndpointUnavailableError(
-                f"no successful answer from {url} for {silent_s:.0f} s (last error: {exc}); the endpoint is down. "
-                "Committed results are kept and nothing was marked failed for the outage; rerun to resume."
-            )
-        return True
-
-    async def _endpoint_down(self, sent_at: float) -> bool:
-        """The verdict of a probe started after `sent_at`; concurrent failures share one probe."""
-        while True:
-            probe = self._probe
-            if probe is not None and self._probe_started >= sent_at:
-                return await asyncio.shield(probe)
-            if probe is not None and not probe.done():
-                await asyncio.wait([probe])
-                continue
-            self._probe_started = time.monotonic()
-            self._probe = asyncio.ensure_future(self._probe_once())
+    def _outage_event(self, kind: OutageEvent, message: str) -> None:
+        emit_event(RunEvent(kind, message, time.monotonic() - self.started))
 
     async def _probe_once(self) -> bool:
         """True when the endpoint's liveness URL does not answer (transport error) or answers 502-504."""
@@ -555,6 +639,8 @@ class EndpointClient:
         prompt_ids: list[int] | None,
     ) -> GenerationResult:
         """The result an answer carries, or the error class it belongs to (raised)."""
+        if status not in UNAVAILABLE_STATUS:
+            self.breaker.alive()
         if status != 200:
             snippet = self.redact(raw.decode("utf-8", errors="replace"))[:ERROR_SNIPPET_CHARS]
             self._classify_status(status, headers.get("Retry-After"), snippet, url)
@@ -672,13 +758,13 @@ class EndpointClient:
             raise SampleFatalError("context_length", f"HTTP {status}, prompt too long (not retried): {snippet}")
         raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}")
 
-    async def lookup_cost(self, generation_id: str) -> float | None:
+    async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] = LOOKUP_DELAYS_S) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
-        retried a few times. None when it never appears: reconciliation is best-effort, never a failure."""
+        retried after each of `delays_s`. None when it never appears: reconciliation is best-effort."""
         if self._session is None:
             return None
         url = generation_lookup_url(self.cfg, generation_id)
-        for delay in (0.0, *LOOKUP_DELAYS_S):
+        for delay in (0.0, *delays_s):
             if delay:
                 await asyncio.sleep(delay)
             try:

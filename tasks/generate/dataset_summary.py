@@ -3,8 +3,9 @@
 It reads what is on disk, not what one run did, so it is right after a crash, a budget stop or several
 resumed runs: finished parts, plus the committed chunks and journals of parts still in progress (merged as the
 engine merges them on resume). Samples of a prompts part with no row yet count as pending. Money comes from
-the spend ledger alone: `cost_usd` is every attempt billed for the dataset (failed ones and replaced rows
-included) plus unknown outcomes at their worst case (`unknown_usd`).
+the spend ledger alone, billed and pending apart: `billed_usd` is every attempt billed for the dataset (failed
+ones and replaced rows included), `pending_usd` the worst case of attempts sent with no answer read back yet
+(settled later from the provider's records).
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class _Totals:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "reasoning_tokens": self.reasoning_tokens,
-            "cost_usd": round(spend.total_usd, 6),
-            "unknown_usd": round(spend.unknown_usd, 6),
+            "billed_usd": round(spend.billed_usd, 6),
+            "pending_usd": round(spend.pending_usd, 6),
             "billed_cost_usd": None if self.billed_cost_usd is None else round(self.billed_cost_usd, 6),
             "providers": format_mix(self.providers),
             "quantizations": format_mix(self.quantizations),

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ConfigError, DatagenError
 from tasks.common.messages import Message
+from tasks.generate.token_bytes import LogprobTokens, exact_ids
 from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 CHAT_PATH = "/chat/completions"
@@ -116,6 +117,9 @@ def build_request(
             payload["reasoning"] = cfg.endpoint.reasoning
         if cfg.tokenizer.chat_template_kwargs:
             payload["chat_template_kwargs"] = dict(cfg.tokenizer.chat_template_kwargs)
+        if cfg.endpoint.logprobs:
+            payload["logprobs"] = True
+            payload["top_logprobs"] = 0
         return EndpointRequest(url, payload, None)
     if tokenizer is None:
         raise ConfigError("endpoint.kind 'sglang_generate' needs the tokenizer to render prompt ids")
@@ -173,7 +177,7 @@ def parse_response(
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> GenerationResult:
     if cfg.endpoint.kind == "openai_chat":
-        return _parse_chat(cfg, body)
+        return _parse_chat(cfg, body, markers, tokenizer)
     return _parse_generate(cfg, body, markers, prompt_ids, tokenizer)
 
 
@@ -191,7 +195,29 @@ def _opt_str(value: Any, what: str) -> str | None:
     raise MalformedResponseError(f"{what} must be a string, got {type(value).__name__}")
 
 
-def _parse_chat(cfg: PipelineConfig, body: dict[str, Any]) -> GenerationResult:
+def _model_ids(
+    cfg: PipelineConfig,
+    choice: dict[str, Any],
+    reasoning: str | None,
+    content: str | None,
+    markers: CompletionMarkers,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> list[int] | None:
+    """The model's exact ids rebuilt from the choice's logprobs bytes (`endpoint.logprobs`), when they cover the
+    whole answer; the end-of-turn id is not among them (reconstruct adds it, as for a re-encoded row)."""
+    if not cfg.endpoint.logprobs or tokenizer is None:
+        return None
+    tokens = LogprobTokens()
+    tokens.feed(choice.get("logprobs"))
+    return exact_ids(tokens, tokenizer, reasoning, content, markers.reasoning_close)
+
+
+def _parse_chat(
+    cfg: PipelineConfig,
+    body: dict[str, Any],
+    markers: CompletionMarkers | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> GenerationResult:
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise MalformedResponseError(f"chat response has no choices (keys: {sorted(body)})")
@@ -212,9 +238,12 @@ def _parse_chat(cfg: PipelineConfig, body: dict[str, Any]) -> GenerationResult:
         cost: float | None = float(reported_cost)
     else:
         cost = price_cost(cfg, prompt_tokens, completion_tokens)
+    reasoning = _opt_str(reasoning, "message.reasoning")
+    content = _opt_str(message.get("content"), "message.content")
+    model_ids = _model_ids(cfg, choice, reasoning, content, markers or CompletionMarkers("", ""), tokenizer)
     return GenerationResult(
-        reasoning=_opt_str(reasoning, "message.reasoning"),
-        content=_opt_str(message.get("content"), "message.content"),
+        reasoning=reasoning,
+        content=content,
         finish_reason=_opt_str(choice.get("finish_reason"), "finish_reason"),
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
@@ -225,7 +254,7 @@ def _parse_chat(cfg: PipelineConfig, body: dict[str, Any]) -> GenerationResult:
         provider=_opt_str(body.get("provider"), "provider"),
         model=_opt_str(body.get("model"), "model"),
         generation_id=_opt_str(body.get("id"), "id"),
-        output_ids=None,
+        output_ids=model_ids,
         prompt_ids=None,
         quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
     )

@@ -11,8 +11,9 @@ atomic Parquet chunks. On restart, finished parts, chunks and journals are merge
 samples are never sent again, and deterministic failures are not re-bought (`rerun_policy`).
 
 Money: every attempt is in the spend ledger (`ledger`) before it is sent; the budget of each run starts from
-the ledger's total, so `max_cost_usd` holds over the run directory's life, across kills and reruns. One run
-at a time writes a run directory (`run_lock`).
+the ledger's counted total (billed + pending at worst case), so `max_cost_usd` holds over the run directory's
+life, across kills and reruns. Pending attempts are settled from the provider's records before anything is
+sent and again once nothing is in flight (`settlement`). One run at a time writes a run directory (`run_lock`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
@@ -58,10 +59,11 @@ from tasks.generate.chunks import (
 from tasks.generate.client import AttemptTag, Budget, EndpointClient, SampleOutcome
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
 from tasks.generate.journal import AppendLog
-from tasks.generate.ledger import LedgerWriter, SpendLedger
+from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
 from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
 from tasks.generate.rerun_policy import resend, settings_fingerprint
 from tasks.generate.run_lock import run_dir_lock
+from tasks.generate.settlement import Settler
 from tasks.reconstruct.multiturn import ConversationTurn, template_messages
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
@@ -84,6 +86,17 @@ RESULT_FIELDS = (
 )
 
 
+class CommitListener(Protocol):
+    """Told when the run's logs reach a durable point (`tasks.generate.store_sync.LogMirror` copies them to a run
+    store then, so a dead host loses at most one commit interval)."""
+
+    def committed(self) -> None:
+        """After each commit, on the event loop: must return at once."""
+
+    def closed(self) -> None:
+        """After the run closed its journal and ledger segment, before the journal may be deleted; may block."""
+
+
 @dataclass
 class PartSummary:
     """Counts for one part in this run: done + failed + skipped_already_done + kept_failed = samples.
@@ -100,6 +113,7 @@ class PartSummary:
     failures_by_class: dict[str, int] = field(default_factory=dict)
     retries_by_reason: dict[str, int] = field(default_factory=dict)
     cost_usd: float = 0.0
+    pending_usd: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -112,14 +126,21 @@ class GenerateSummary:
     """`stopped` is "budget" when the cost cap ended the run early: unsent samples have no row yet, their parts
     stay unfinished (chunks only), and a rerun with a higher cap continues exactly there.
 
-    Money comes from the spend ledger only: `spent_usd` is the run directory's total over its life (billed, plus
-    unknown outcomes at their worst case), `run_cost_usd` this run's share, `spend` the ledger's breakdown."""
+    Money comes from the spend ledger only, billed and pending apart: `billed_usd` / `pending_usd` /
+    `counted_usd` (what the cap counts: billed + pending at worst case) over the run directory's life,
+    `run_billed_usd` / `run_pending_usd` for this run's own attempts, `spend` the ledger's breakdown and
+    `settlement` what this run settled from the provider's records."""
 
     parts: list[PartSummary] = field(default_factory=list)
     stopped: str | None = None
-    spent_usd: float = 0.0
-    run_cost_usd: float = 0.0
+    billed_usd: float = 0.0
+    pending_usd: float = 0.0
+    counted_usd: float = 0.0
+    run_billed_usd: float = 0.0
+    run_pending_usd: float = 0.0
     spend: dict[str, Any] = field(default_factory=dict)
+    settlement: dict[str, Any] = field(default_factory=dict)
+    outages: int = 0
     peak_in_flight: int = 0
     window_shrinks: int = 0
 
@@ -142,12 +163,17 @@ class GenerateSummary:
             "failures_by_reason": dict(reasons),
             "failure_class": dict(classes),
             "retries_by_reason": dict(retries),
-            "cost_usd": self.run_cost_usd,
+            "cost_usd": self.run_billed_usd,
+            "pending_usd": self.run_pending_usd,
             "prompt_tokens": sum(p.prompt_tokens for p in self.parts),
             "completion_tokens": sum(p.completion_tokens for p in self.parts),
             "stopped": self.stopped,
-            "run_dir_spent_usd": self.spent_usd,
+            "run_dir_billed_usd": self.billed_usd,
+            "run_dir_pending_usd": self.pending_usd,
+            "run_dir_counted_usd": self.counted_usd,
             "spend": self.spend,
+            "settlement": self.settlement,
+            "outages": self.outages,
             "peak_in_flight": self.peak_in_flight,
             "window_shrinks": self.window_shrinks,
         }
@@ -300,12 +326,18 @@ class _Run:
         client: EndpointClient,
         journal: AppendLog | None = None,
         ledger: LedgerWriter | None = None,
+        listener: CommitListener | None = None,
+        prior: SpendTotals | None = None,
+        settler: Settler | None = None,
     ) -> None:
         self.cfg = cfg
+        self.listener = listener
         self.states = states
         self.client = client
         self.journal = journal
         self.ledger = ledger
+        self.prior = prior or SpendTotals()
+        self.settler = settler
         self.fingerprint = settings_fingerprint(cfg)
         self.provenance = cfg.provenance()
         self.uncommitted = 0
@@ -418,7 +450,14 @@ class _Run:
         reasons: Counter[str] = Counter()
         for st in self.states:
             reasons.update(st.summary.failures_by_reason)
-        budget, window = self.client.budget, self.client.window
+        client = self.client
+        budget, window, breaker = client.budget, client.window, client.breaker
+        settled_worst = settled_cost = 0.0
+        settled = 0
+        if self.settler is not None:
+            settled_worst, settled_cost = self.settler.settled_worst_usd, self.settler.settled_cost_usd
+            settled = self.settler.settled_attempts
+        down_since = breaker.down_since if breaker.state in ("open", "trial") else None
         return ProgressSnapshot(
             elapsed_s=time.monotonic() - self.started,
             total=self.total,
@@ -430,13 +469,19 @@ class _Run:
             retries=sum(sum(st.summary.retries_by_reason.values()) for st in self.states),
             prompt_tokens=sum(st.summary.prompt_tokens for st in self.states),
             completion_tokens=sum(st.summary.completion_tokens for st in self.states),
-            cost_usd=budget.spent_usd - budget.prior_usd,
-            prior_cost_usd=budget.prior_usd,
+            cost_usd=client.billed_usd + settled_cost,
+            prior_cost_usd=self.prior.billed_usd,
             reserved_usd=budget.reserved_usd,
             max_cost_usd=budget.cap_usd,
             budget_stopped=budget.stopped,
             final=final,
             failures_by_reason=dict(reasons),
+            retries_by_reason=dict(client.retries_by_reason),
+            pending_usd=max(0.0, self.prior.pending_usd + client.pending_usd - settled_worst),
+            pending_attempts=max(0, self.prior.pending_attempts + client.pending_attempts - settled),
+            unsent_attempts=self.prior.unsent_attempts + client.unsent_attempts,
+            endpoint_down_since_s=None if down_since is None else down_since - self.started,
+            outages=breaker.outages,
         )
 
     def commit_due(self) -> bool:
@@ -465,6 +510,8 @@ class _Run:
                     await asyncio.to_thread(_write_chunk, state, rows, self.provenance)
             self.uncommitted = 0
             self.last_commit = time.monotonic()
+            if self.listener is not None:
+                self.listener.committed()
 
     def commit_now(self) -> None:
         """Synchronous commit for the failure path, where awaiting is no longer safe."""
@@ -480,13 +527,19 @@ class _Run:
         self.uncommitted = 0
 
 
-def budget_stop_message(spent_usd: float, cap_usd: float | None) -> str:
+def budget_stop_message(counted_usd: float, cap_usd: float | None, pending_usd: float = 0.0) -> str:
     """The one explanation of a budget stop, for the CLI, the Prefect state message and the task log."""
+    pending = (
+        f" ({format_usd(counted_usd - pending_usd)} billed + {format_usd(pending_usd)} pending at worst case until "
+        "the provider's records settle it)"
+        if pending_usd > 0
+        else ""
+    )
     return (
-        f"stopped at the budget cap: {format_usd(spent_usd)} spent of endpoint.max_cost_usd={format_usd(cap_usd)} "
-        "(each request reserves its worst case, max_tokens at the configured price, before it is sent, so the "
-        "spend never crosses the cap). Finished samples are committed and will not be sent again; to continue, "
-        "raise endpoint.max_cost_usd and rerun."
+        f"stopped at the budget cap: {format_usd(counted_usd)} counted{pending} of endpoint.max_cost_usd="
+        f"{format_usd(cap_usd)} (each request reserves its worst case, max_tokens at the configured price, before it "
+        "is sent, so the spend never crosses the cap). Finished samples are committed and will not be sent again; "
+        "to continue, raise endpoint.max_cost_usd and rerun."
     )
 
 
@@ -504,35 +557,26 @@ async def _report_progress(run: _Run, listeners: list[Listener] | None, every_s:
         await asyncio.to_thread(emit, run.snapshot(), listeners)
 
 
-async def _reconcile(client: EndpointClient, ledger: LedgerWriter, unknown: list[tuple[str, str, float]]) -> None:
-    """Unknown outcomes with a generation id: ask OpenRouter what they cost, and give the budget the rest back."""
-
-    async def one(uid: str, generation_id: str, worst: float) -> None:
-        cost = await client.lookup_cost(generation_id)
-        if cost is not None:
-            ledger.reconciled(uid, cost)
-            client.budget.spent_usd -= worst - cost
-            client.budget.prior_usd -= worst - cost
-
-    await asyncio.gather(*(one(*u) for u in unknown))
-
-
 async def _generate_async(
     cfg: PipelineConfig,
     states: list[_PartState],
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None,
-    budget: Budget,
     listeners: list[Listener] | None,
-    journal: AppendLog | None = None,
-    ledger: LedgerWriter | None = None,
-    unknown: list[tuple[str, str, float]] | None = None,
+    journal: AppendLog | None,
+    ledger: LedgerWriter,
+    spend: SpendLedger,
+    listener: CommitListener | None = None,
 ) -> _Run:
+    """Settle what earlier runs left pending, send every state's work through one window, settle this run's."""
     window = 2 * cfg.endpoint.max_in_flight
-    async with EndpointClient(cfg, markers, tokenizer, budget=budget, ledger=ledger) as client:
-        if unknown and ledger is not None and cfg.endpoint.kind == "openai_chat" and cfg.endpoint.reconcile_cost:
-            await _reconcile(client, ledger, unknown)
-        run = _Run(cfg, states, client, journal, ledger)
+    async with EndpointClient(cfg, markers, tokenizer, ledger=ledger) as client:
+        settler = Settler(cfg, client, ledger, spend)
+        await settler.before_run(sending=any(s.todo for s in states))
+        prior = settler.ledger.totals()
+        client.budget = settler.budget = Budget(cfg.endpoint.max_cost_usd, prior.counted_usd)
+        settler.count_from_here()
+        run = _Run(cfg, states, client, journal, ledger, listener, prior, settler)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
         work = run.work()
         running: set[asyncio.Task[tuple[_PartState, _WorkItem, _Answer]]] = set()
@@ -565,8 +609,7 @@ async def _generate_async(
                 if run.commit_due() or run.complete_parts:
                     await run.commit()
             await run.commit()
-            if client.unknown_with_id and ledger is not None and cfg.endpoint.reconcile_cost:
-                await _reconcile(client, ledger, client.unknown_with_id)
+            await settler.after_run(cfg.run_dir)
         except BaseException:
             for task in running:
                 task.cancel()
@@ -633,6 +676,7 @@ def generate_parts(
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None = None,
     listeners: list[Listener] | None = None,
+    on_commit: CommitListener | None = None,
 ) -> GenerateSummary:
     """Generate responses for `prompt_refs` (prompts parts); resumes from finished parts, chunks and journals.
 
@@ -640,9 +684,18 @@ def generate_parts(
     `FatalEndpointError` (after committing every finished result) when the endpoint refuses the whole run, and
     `RunDirBusyError` (having sent nothing) when another run writes the directory. With `endpoint.max_cost_usd`,
     the ledger's total over the directory's life counts against the cap; reaching it returns `stopped="budget"`.
+    `on_commit` hears of every commit and of the run's logs being closed (a store mirror pushes them then).
     """
     with run_dir_lock(cfg.run_dir):
-        return _generate_locked(cfg, prompt_refs, markers, tokenizer, listeners)
+        return _generate_locked(cfg, prompt_refs, markers, tokenizer, listeners, on_commit)
+
+
+def _has_settleable(cfg: PipelineConfig, ledger: SpendLedger) -> bool:
+    """Whether a run with nothing to send still has pending attempts the provider's records may settle."""
+    ep = cfg.endpoint
+    if ep.account_settlement == "exclusive_key" and ledger.totals().pending_attempts:
+        return True
+    return ep.settle_pending and ep.kind == "openai_chat" and bool(ledger.pending_with_ids())
 
 
 def _generate_locked(
@@ -651,6 +704,7 @@ def _generate_locked(
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None,
     listeners: list[Listener] | None,
+    on_commit: CommitListener | None,
 ) -> GenerateSummary:
     ep = cfg.endpoint
     ledger = SpendLedger.load(cfg.run_dir)
@@ -678,36 +732,50 @@ def _generate_locked(
             _write_chunk(state, recovered, provenance)
     for path in compactable:  # their rows are in chunks or parts now
         path.unlink(missing_ok=True)
-    before = ledger.totals()
-    budget = Budget(ep.max_cost_usd, before.total_usd)
     summary = GenerateSummary(parts=[s.summary for s in states])
     pending = [s for s in states if not s.finalized]
-    if pending:
-        if ep.kind == "sglang_generate" and tokenizer is None:
+    stopped = False
+    writer: LedgerWriter | None = None
+    if pending or _has_settleable(cfg, ledger):
+        if pending and (ep.kind == "sglang_generate" or ep.logprobs) and tokenizer is None:
             tokenizer = load_tokenizer(cfg.tokenizer)
         writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s)
-        journal = AppendLog(journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s)
-        unknown = [(uid, gid, ledger.attempts[uid].worst_usd) for uid, gid in ledger.reconcilable()]
+        journal = None
+        if pending:
+            journal = AppendLog(journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s)
         try:
             with _frozen_heap():
                 run = _run_blocking(
-                    _generate_async(cfg, pending, markers, tokenizer, budget, listeners, journal, writer, unknown)
+                    _generate_async(cfg, pending, markers, tokenizer, listeners, journal, writer, ledger, on_commit)
                 )
         finally:
-            journal.close()
+            if journal is not None:
+                journal.close()
             writer.close()
-            if all(not s.buffer for s in pending):  # every row is in a chunk or a part: the journal is spent
+            if on_commit is not None:
+                on_commit.closed()
+            if journal is not None and all(not s.buffer for s in pending):  # every row is in a chunk or a part
                 journal.path.unlink(missing_ok=True)
+        stopped = run.client.budget.stopped
         summary.peak_in_flight = run.client.window.peak_in_flight
         summary.window_shrinks = run.client.window.shrinks
+        summary.outages = run.client.breaker.outages
+        if run.settler is not None:
+            summary.settlement = run.settler.report.to_dict()
     ledger = SpendLedger.load(cfg.run_dir)
     after = ledger.totals()
-    if pending:
+    if writer is not None:
         by_part = ledger.totals_by_part(writer.token)
         for state in pending:
-            state.summary.cost_usd = by_part[state.prompts.part].total_usd if state.prompts.part in by_part else 0.0
-    summary.spent_usd = after.total_usd
-    summary.run_cost_usd = after.total_usd - before.total_usd
+            mine = by_part.get(state.prompts.part, SpendTotals())
+            state.summary.cost_usd, state.summary.pending_usd = mine.billed_usd, mine.pending_usd
+        this_run = ledger.totals_of_run(writer.token)
+        summary.run_billed_usd, summary.run_pending_usd = this_run.billed_usd, this_run.pending_usd
+    summary.billed_usd, summary.pending_usd, summary.counted_usd = (
+        after.billed_usd,
+        after.pending_usd,
+        after.counted_usd,
+    )
     summary.spend = after.to_dict()
-    summary.stopped = "budget" if budget.stopped and any(s.outstanding for s in states) else None
+    summary.stopped = "budget" if stopped and any(s.outstanding for s in states) else None
     return summary

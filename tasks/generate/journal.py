@@ -88,6 +88,19 @@ def read_records(path: Path) -> Iterator[Any]:
         pos = start + length
 
 
+def whole_frames_length(data: bytes) -> int:
+    """How many leading bytes of `data` (a segment's bytes from a frame boundary on) are whole, checked frames: a
+    copy cut there never ends in a torn record, so more bytes appended after it still read back."""
+    view, pos, end = memoryview(data), 0, len(data)
+    while pos + HEADER.size <= end:
+        length, crc = HEADER.unpack_from(view, pos)
+        stop = pos + HEADER.size + length
+        if length > MAX_RECORD_BYTES or stop > end or zlib.crc32(view[pos + HEADER.size : stop]) != crc:
+            break
+        pos = stop
+    return pos
+
+
 def segment_token() -> str:
     """A name that sorts by creation time and is unique per process: `<ns since epoch>-<pid>`."""
     return f"{time.time_ns():020d}-{os.getpid()}"

@@ -63,7 +63,7 @@ class ProgressSnapshot:
 
     @property
     def spent_usd(self) -> float:
-        """Spend of the run directory so far: earlier runs plus this one."""
+        """Billed spend of the run directory so far, earlier runs plus this one (pending amounts apart)."""
         return self.prior_cost_usd + self.cost_usd
 
     @property
@@ -192,11 +192,12 @@ def _eta(s: ProgressSnapshot) -> str:
 def _budget(s: ProgressSnapshot) -> str:
     if s.max_cost_usd is None:
         return f"no cap, {format_usd(s.reserved_usd)} reserved in flight"
-    left = max(0.0, s.max_cost_usd - s.spent_usd - s.reserved_usd)
+    left = max(0.0, s.max_cost_usd - s.spent_usd - s.pending_usd - s.reserved_usd)
     used = 100.0 * s.spent_usd / s.max_cost_usd
     stopped = " (STOPPED)" if s.budget_stopped else ""
+    pending = f", {format_usd(s.pending_usd)} pending" if s.pending_usd > 0 else ""
     return (
-        f"cap {format_usd(s.max_cost_usd)}: {used:.0f}% spent, {format_usd(s.reserved_usd)} reserved, "
+        f"cap {format_usd(s.max_cost_usd)}: {used:.0f}% spent{pending}, {format_usd(s.reserved_usd)} reserved, "
         f"{format_usd(left)} left{stopped}"
     )
 
@@ -211,6 +212,14 @@ def _projected(s: ProgressSnapshot) -> str:
     return text
 
 
+def _cost(s: ProgressSnapshot) -> str:
+    """Billed, and pending apart: a pending amount (worst case until settled) is never shown as spent."""
+    text = f"{format_usd(s.cost_usd)} this run, {format_usd(s.spent_usd)} run-dir total"
+    if s.pending_usd > 0:
+        text += f", {format_usd(s.pending_usd)} pending over {s.pending_attempts:,} attempts (worst case until settled)"
+    return text
+
+
 def status_fields(s: ProgressSnapshot, top_reasons: int = 3) -> list[tuple[str, str]]:
     """(label, value) pairs shared by the terminal display and the Prefect status artifact."""
     return [
@@ -219,7 +228,7 @@ def status_fields(s: ProgressSnapshot, top_reasons: int = 3) -> list[tuple[str, 
         ("throughput", f"{s.req_per_s:,.1f} req/s, {s.tok_per_s:,.0f} completion tok/s"),
         ("requests", f"{s.requests_sent:,} sent, {s.retries:,} retries"),
         ("tokens", f"{s.prompt_tokens:,} prompt, {s.completion_tokens:,} completion"),
-        ("cost", f"{format_usd(s.cost_usd)} this run, {format_usd(s.spent_usd)} run-dir total"),
+        ("cost", _cost(s)),
         ("projected", _projected(s)),
         ("budget", _budget(s)),
         ("elapsed", format_duration(s.elapsed_s)),
@@ -236,7 +245,8 @@ def status_line(s: ProgressSnapshot) -> str:
         f"done {s.done:,} failed {s.failed:,}",
         f"in flight {s.in_flight:,}/{s.window:,}",
         f"{s.req_per_s:,.1f} req/s {s.tok_per_s:,.0f} tok/s",
-        f"{format_usd(s.cost_usd)} run ({format_usd(s.spent_usd)} total{cap})",
+        f"{format_usd(s.cost_usd)} run ({format_usd(s.spent_usd)} total{cap})"
+        + (f" + {format_usd(s.pending_usd)} pending" if s.pending_usd > 0 else ""),
         f"ETA {_eta(s)}",
     ]
     if s.failures_by_reason:

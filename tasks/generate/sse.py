@@ -35,6 +35,7 @@ from orjson import dumps as _dumps
 from orjson import loads as _loads
 
 from tasks.generate.endpoints import MalformedResponseError
+from tasks.generate.token_bytes import LogprobTokens
 
 ENVELOPE_KEYS = ("id", "provider", "model", "quantization")
 LEARN_TRIES = 4
@@ -51,8 +52,9 @@ _BODY = rb'(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+'
 class StreamAssembler:
     """One stream's state. Hooks: `on_generation_id(id)` is called once, as soon as the generation id is known
     (the first chunk carries it), so the spend ledger records it before the answer ends; `on_choice(choice)` with
-    each chunk's first choice, parsed, the place to accumulate per-chunk fields such as logprobs (with it, every
-    chunk is parsed: shapes are not learned)."""
+    each chunk's first choice, parsed, the place for other per-chunk fields (with it, every chunk is parsed:
+    shapes are not learned). Per-token `logprobs` are accumulated in `logprobs` (`endpoint.logprobs`) and given
+    back in `body()` as one non-streamed `logprobs` object; a chunk that carries them is always parsed."""
 
     __slots__ = (
         "_by_line",
@@ -69,6 +71,7 @@ class StreamAssembler:
         "done",
         "error",
         "finish_reason",
+        "logprobs",
         "meta",
         "on_choice",
         "on_generation_id",
@@ -98,6 +101,7 @@ class StreamAssembler:
         self.meta: dict[str, Any] = {}
         self.error: Any = None
         self.done = False
+        self.logprobs = LogprobTokens()
 
     def feed(self, data: bytes) -> None:
         """The next bytes of the body, cut anywhere.
@@ -223,7 +227,12 @@ class StreamAssembler:
             return
         choice = choices[0]
         delta = choice.get("delta") if type(choice) is dict else None
-        if type(delta) is not dict or choice.get("finish_reason") is not None or delta.get("reasoning_content"):
+        if (
+            type(delta) is not dict
+            or choice.get("finish_reason") is not None
+            or choice.get("logprobs") is not None  # per-token data a shape would skip: such chunks are parsed
+            or delta.get("reasoning_content")
+        ):
             return
         reasoning, content = delta.get("reasoning"), delta.get("content")
         if type(reasoning) is str and reasoning and not content:
@@ -316,6 +325,9 @@ class StreamAssembler:
                 piece = delta.get("content")
                 if piece:
                     self._content += _body(piece)
+            logprobs = choice.get("logprobs")
+            if logprobs is not None:
+                self.logprobs.feed(logprobs)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
                 self._envelope(chunk)
@@ -347,10 +359,10 @@ class StreamAssembler:
         message: dict[str, Any] = {"role": "assistant", "content": _text(self._content)}
         if self._has_reasoning:
             message["reasoning"] = _text(self._reasoning)
-        body: dict[str, Any] = {
-            **self.meta,
-            "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}],
-        }
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish_reason}
+        if self.logprobs.seen:
+            choice["logprobs"] = self.logprobs.wire()
+        body: dict[str, Any] = {**self.meta, "choices": [choice]}
         if self.usage is not None:
             body["usage"] = self.usage
         return body

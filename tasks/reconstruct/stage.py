@@ -38,7 +38,9 @@ from tasks.reconstruct.completion_format import (
     completion_layout,
     loss_mask_values,
 )
+from tasks.reconstruct.model_ids import model_completion, token_at
 from tasks.reconstruct.multiturn import ConversationTurn, build_multiturn_sequence
+from tasks.reconstruct.repair import RepairTable, learn_from_run
 from tasks.reconstruct.special_tokens import verify_special_tokens
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_hash, tokenizer_provenance
@@ -52,8 +54,22 @@ RESPONSE_COLUMNS = [
     "finish_reason",
     "prompt_ids",
     "history",
+    "output_ids",
 ]
-TOKEN_STATS = ("rows", "tokens", "prompt_tokens", "completion_tokens", "reasoning_tokens", "loss_tokens")
+TOKEN_STATS = (
+    "rows",
+    "tokens",
+    "prompt_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "loss_tokens",
+    "model_rows",
+    "reencoded_rows",
+    "repaired_rows",
+)
+TOKEN_SOURCES = ("model", "reencoded", "repaired")
+"""`tokens.token_source`: the ids the endpoint reported the model generated, the returned text re-encoded, or
+re-encoded and then rewritten with the splits reference answers show (`tasks.reconstruct.repair`)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,7 @@ class SampleText:
     finish_reason: str | None
     prompt_ids: list[int] | None
     history: list[ConversationTurn] | None = None
+    output_ids: list[int] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -179,8 +196,9 @@ def _tokens_table(
     flat: np.ndarray,
     mask: np.ndarray,
     lens: np.ndarray,
+    sources: Sequence[str],
 ) -> tuple[pa.Table, dict[str, int]]:
-    """`lens`: per row (prompt_len, completion_len, reasoning_len)."""
+    """`lens`: per row (prompt_len, completion_len, reasoning_len); `sources`: per row, a `TOKEN_SOURCES` value."""
     offsets = pa.array(row_offsets.astype(np.int32))
     n = len(samples)
     table = pa.table(
@@ -193,6 +211,7 @@ def _tokens_table(
             "completion_len": pa.array(lens[:, 1].astype(np.int32)),
             "reasoning_len": pa.array(lens[:, 2].astype(np.int32)),
             "completion_format": pa.array([fmt.name] * n, pa.string()),
+            "token_source": pa.array(list(sources), pa.string()),
         }
     )
     stats = {
@@ -202,6 +221,9 @@ def _tokens_table(
         "completion_tokens": int(lens[:, 1].sum()),
         "reasoning_tokens": int(lens[:, 2].sum()),
         "loss_tokens": int(mask.sum(dtype=np.int64)),
+        "model_rows": sum(s == "model" for s in sources),
+        "reencoded_rows": sum(s == "reencoded" for s in sources),
+        "repaired_rows": sum(s == "repaired" for s in sources),
     }
     return table, stats
 
@@ -212,6 +234,7 @@ def _final_turn_rows(
     samples: Sequence[SampleText],
     rcfg: ReconstructConfig,
     template_kwargs: Mapping[str, Any] | None,
+    repair: RepairTable | None = None,
 ) -> tuple[pa.Table, dict[str, int]]:
     backend = backend_for(tokenizer)
     sample_ids = [s.sample_id for s in samples]
@@ -222,6 +245,24 @@ def _final_turn_rows(
     completion_ids, at = encode_completions(backend, fmt, layouts)
     backend.spot_check(prompts, sample_ids, prompt_ids)
     backend.spot_check(texts, sample_ids, completion_ids)
+    sources = ["reencoded"] * len(samples)
+    eot = backend.token_to_id(fmt.end_of_turn)
+    if rcfg.token_ids == "model" and eot is not None:
+        for i, s in enumerate(samples):
+            exact = None if s.output_ids is None else model_completion(backend, layouts[i], s.output_ids, eot)
+            if exact is not None:
+                completion_ids[i], at[i] = exact[0], exact[1:]
+                sources[i] = "model"
+    for i, source in enumerate(sources):
+        if repair is None or source != "reencoded":
+            continue
+        fixed, applied = repair.apply(backend, completion_ids[i])
+        if applied:
+            layout = layouts[i]
+            completion_ids[i] = fixed
+            content_at = token_at(backend, fixed, layout.content_start, len(layout.text))
+            at[i] = (content_at, len(fixed) - 1 if layout.end_of_turn_start < len(layout.text) else len(fixed))
+            sources[i] = "repaired"
     for sample, ids in zip(samples, prompt_ids, strict=True):
         _check_prompt_ids(sample, ids)
 
@@ -241,7 +282,7 @@ def _final_turn_rows(
     values = np.tile(np.asarray(loss_mask_values(rcfg.loss_on_reasoning, rcfg.loss_on_end_of_turn), np.uint8), n)
     mask = np.repeat(values, segments.ravel())
     lens = np.stack([segments[:, 0], segments[:, 1:].sum(axis=1), segments[:, 1]], axis=1)
-    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources)
 
 
 def _multiturn_rows(
@@ -281,7 +322,7 @@ def _multiturn_rows(
     lens = np.array(
         [(q.prompt_len, len(q.input_ids) - q.prompt_len, q.reasoning_len) for q in seqs], dtype=np.int64
     ).reshape(-1, 3)
-    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, ["reencoded"] * len(seqs))
 
 
 def build_tokens_table(
@@ -290,14 +331,16 @@ def build_tokens_table(
     samples: Sequence[SampleText],
     rcfg: ReconstructConfig,
     template_kwargs: Mapping[str, Any] | None = None,
+    repair: RepairTable | None = None,
 ) -> tuple[pa.Table, dict[str, int]]:
     """The `tokens` rows for `samples`, in order, and their token totals."""
     multi = [i for i, s in enumerate(samples) if s.history is not None]
     if not multi:
-        table, stats = _final_turn_rows(tokenizer, fmt, samples, rcfg, template_kwargs)
+        table, stats = _final_turn_rows(tokenizer, fmt, samples, rcfg, template_kwargs, repair)
         return table, {**stats, "multiturn_rows": 0}
     single = [i for i, s in enumerate(samples) if s.history is None]
-    first, first_stats = _final_turn_rows(tokenizer, fmt, [samples[i] for i in single], rcfg, template_kwargs)
+    singles = [samples[i] for i in single]
+    first, first_stats = _final_turn_rows(tokenizer, fmt, singles, rcfg, template_kwargs, repair)
     rest, rest_stats = _multiturn_rows(tokenizer, fmt, [samples[i] for i in multi], rcfg, template_kwargs)
     at = np.empty(len(samples), dtype=np.int64)
     at[single] = np.arange(len(single))
@@ -333,10 +376,16 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
     """Done responses joined to their prompts, in prompt order; also the count of responses not done."""
     index = {sid: i for i, sid in enumerate(prompts.column("sample_id").to_pylist())}
     messages = prompts.column("messages").to_pylist()
-    cols = {name: responses.column(name).to_pylist() for name in RESPONSE_COLUMNS if name != "prompt_ids"}
+    cols = {
+        name: responses.column(name).to_pylist()
+        for name in RESPONSE_COLUMNS
+        if name not in ("prompt_ids", "output_ids")
+    }
     histories = cols["history"]
     prompt_ids = responses.column("prompt_ids")
     has_prompt_ids = prompt_ids.is_valid().to_pylist()
+    output_ids = responses.column("output_ids")
+    has_output_ids = output_ids.is_valid().to_pylist()
     chosen: dict[int, SampleText] = {}
     not_done = 0
     for row in range(responses.num_rows):
@@ -360,17 +409,19 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
             finish_reason=cols["finish_reason"][row],
             prompt_ids=prompt_ids[row].as_py() if has_prompt_ids[row] else None,
             history=None if history is None else _history(sid, history, conversation),
+            output_ids=output_ids[row].as_py() if has_output_ids[row] else None,
         )
     return [chosen[i] for i in sorted(chosen)], not_done
 
 
-RECONSTRUCT_CODE_VERSION = 1
+RECONSTRUCT_CODE_VERSION = 2
 """Bump when a code change alters the tokens rows built from the same inputs: every tokens part is rebuilt."""
 
 
-def tokens_recipe(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, Any]:
-    """What shapes a tokens part besides its prompts and responses parts (its lineage recipe)."""
-    return {
+def tokens_recipe(cfg: PipelineConfig, fmt: CompletionFormat, repair: RepairTable | None = None) -> dict[str, Any]:
+    """What shapes a tokens part besides its prompts and responses parts (its lineage recipe); with
+    `reconstruct.repair_from`, the digest of the rules learned there."""
+    recipe = {
         "stage": "tokens",
         "code_version": RECONSTRUCT_CODE_VERSION,
         "tokenizer_hash": tokenizer_hash(cfg.tokenizer.path),
@@ -378,6 +429,16 @@ def tokens_recipe(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, Any]:
         "completion_format": fmt.describe(),
         "reconstruct": cfg.reconstruct.model_dump(mode="json"),
     }
+    if repair is not None:
+        recipe["repair_rules"] = repair.digest()
+    return recipe
+
+
+def repair_table(cfg: PipelineConfig, fmt: CompletionFormat) -> RepairTable | None:
+    if cfg.reconstruct.repair_from is None:
+        return None
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    return learn_from_run(cfg.reconstruct.repair_from, backend_for(tokenizer), fmt, tokenizer_hash(cfg.tokenizer.path))
 
 
 def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict[str, Any]:
@@ -386,7 +447,8 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
     A tokens part built from other inputs (the responses part was retried) or another recipe (completion
     format, tokenizer) is rebuilt; the old file stays until the new one replaces it."""
     out = PartRef(cfg.run_dir, "tokens", part)
-    build = expected_build(out, tokens_recipe(cfg, fmt))
+    repair = repair_table(cfg, fmt)
+    build = expected_build(out, tokens_recipe(cfg, fmt, repair))
     if is_current(out, build):
         return {**read_marker(out)["stats"], "reused": True}
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -395,7 +457,7 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
     prompts = read_part(out.with_stage("prompts"), columns=["sample_id", "messages"])
     responses = read_part(out.with_stage("responses"), columns=RESPONSE_COLUMNS)
     samples, not_done = pair_samples(prompts, responses)
-    table, counts = build_tokens_table(tokenizer, fmt, samples, cfg.reconstruct, kwargs)
+    table, counts = build_tokens_table(tokenizer, fmt, samples, cfg.reconstruct, kwargs, repair)
     stats: dict[str, Any] = {**counts, "responses_not_done": not_done, "completion_format": fmt.name}
     provenance = {
         **cfg.provenance(),

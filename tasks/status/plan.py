@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.config import PipelineConfig
+from tasks.common.schemas import SCORES_STAGE
 from tasks.common.shards import (
     PartRef,
     atomic_write_text,
@@ -18,31 +19,22 @@ from tasks.common.shards import (
     expected_build,
     fingerprint,
     is_current,
-    read_marker,
     recipe_digest,
 )
 from tasks.reconstruct.completion_format import CompletionFormat
-from tasks.reconstruct.stage import tokens_recipe
+from tasks.reconstruct.stage import repair_table, tokens_recipe
+from tasks.status.sending import parts_to_send
 from tasks.validate.checks import validation_recipe
 
 
-def responses_complete(run_dir: Path, part: int) -> bool:
-    """The responses part exists, was built from the current prompts part, and every row of it is done: a rerun
-    has nothing to send for it. Markers from before `status_counts` was recorded never count as complete."""
-    ref = PartRef(run_dir, "responses", part)
-    if not is_current(ref, expected_build(ref)):
-        return False
-    counts = read_marker(ref).get("status_counts")
-    return isinstance(counts, dict) and set(counts) <= {"done"}
-
-
 def generate_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
-    """Prompts parts whose responses part is missing, stale or holds rows that are not done."""
-    return [p for p in parts if not responses_complete(cfg.run_dir, p)]
+    """Prompts parts the generate stage would send requests for (`tasks.status.sending`): not those whose every
+    row is done or a deterministic failure the rerun policy keeps."""
+    return parts_to_send(cfg, parts)
 
 
 def tokens_todo(cfg: PipelineConfig, fmt: CompletionFormat, parts: list[int]) -> list[int]:
-    recipe = tokens_recipe(cfg, fmt)
+    recipe = tokens_recipe(cfg, fmt, repair_table(cfg, fmt))
     return [p for p in parts if not is_current(ref := PartRef(cfg.run_dir, "tokens", p), expected_build(ref, recipe))]
 
 
@@ -61,12 +53,14 @@ def hidden_states_todo(cfg: PipelineConfig, parts: list[int]) -> list[int]:
 
 def recipe_digests(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, str | None]:
     """Stage -> recipe digest a current part must record, for `status` to tell config-stale parts too."""
+    from tasks.extract.scores import scores_recipe
     from tasks.extract.stage import hidden_states_recipe
 
     return {
-        "tokens": recipe_digest(tokens_recipe(cfg, fmt)),
+        "tokens": recipe_digest(tokens_recipe(cfg, fmt, repair_table(cfg, fmt))),
         "validation": recipe_digest(validation_recipe(cfg, fmt)),
         "hidden_states": recipe_digest(hidden_states_recipe(cfg)),
+        SCORES_STAGE: recipe_digest(scores_recipe(cfg)),
     }
 
 

@@ -64,8 +64,10 @@ from tasks.reconstruct.completion_format import (
     controls_in,
     normalized_parts,
 )
+from tasks.reconstruct.stage import TOKEN_SOURCES
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_hash, tokenizer_provenance
+from tasks.validate.failure_gates import FailedResponses, failed_gate_violations
 from tasks.validate.fidelity import (
     PROMPT_MATCHES,
     TOOL_CALL_MARKERS,
@@ -93,7 +95,7 @@ TEXT_FAIL_ISSUES = frozenset(
 )
 FAIL_ISSUES = (
     TEXT_FAIL_ISSUES
-    | {"finish_reason", "roundtrip_mismatch", "doubled_open_tag", "open_tag_missing"}
+    | {"finish_reason", "roundtrip_mismatch", "doubled_open_tag", "open_tag_missing", "model_ids_mismatch"}
     | {f"history_{c}" for c in TEXT_FAIL_ISSUES}
 )
 WARN_ISSUES = frozenset({"empty_content", "tool_call_unclosed", "tool_call_invalid_json", "prompt_drift"})
@@ -342,7 +344,15 @@ def billing_delta(billed: int | None, ours: int, tolerance: float) -> tuple[int 
     return delta, frac, abs(frac) > tolerance
 
 
-def verdict(match: str, issues: Sequence[str], billing_flagged: bool, vcfg: ValidationConfig | None = None) -> str:
+def verdict(
+    match: str,
+    issues: Sequence[str],
+    billing_flagged: bool,
+    vcfg: ValidationConfig | None = None,
+    stored_exact: bool = False,
+) -> str:
+    """`stored_exact`: the row stores the model's own ids, so a BPE artifact of the re-encoding (`match`) is only
+    what re-encoding would have got wrong, not a flaw of the row."""
     vcfg = vcfg or ValidationConfig()
     codes = {issue_code(i) for i in issues}
     hidden = "empty_reasoning" in codes and vcfg.empty_reasoning == "fail"
@@ -351,7 +361,8 @@ def verdict(match: str, issues: Sequence[str], billing_flagged: bool, vcfg: Vali
         return "fail"
     if tools and vcfg.tool_call_policy == "drop":
         return "drop"
-    if match == "bpe_artifact" or codes & WARN_ISSUES or billing_flagged or tools or "empty_reasoning" in codes:
+    artifact = match == "bpe_artifact" and not stored_exact
+    if artifact or codes & WARN_ISSUES or billing_flagged or tools or "empty_reasoning" in codes:
         return "warn"
     return "pass"
 
@@ -376,8 +387,14 @@ def validate_tables(
     fmt: CompletionFormat,
     backend: TokenBackend,
     vcfg: ValidationConfig,
+    allowed_finish_reasons: Sequence[str] | None = None,
 ) -> tuple[pa.Table, dict[str, Any]]:
-    """One validation row per tokens row, in the same order."""
+    """One validation row per tokens row, in the same order.
+
+    The reference comparison is always the re-encoded text against the endpoint's ids: for a row that stores the
+    model's ids (`token_source` "model") or repaired ids the text is re-encoded here, so the report still says how
+    often re-encoding alone would have been wrong; stored model ids must equal the reference."""
+    allowed = list(vcfg.allowed_finish_reasons if allowed_finish_reasons is None else allowed_finish_reasons)
     formats = set(tokens.column("completion_format").to_pylist())
     if formats - {fmt.name}:
         raise ConfigError(f"tokens built with completion format(s) {sorted(formats)}, validating with {fmt.name!r}")
@@ -400,15 +417,23 @@ def validate_tables(
     ]
     decoded = backend.decode_batch([c.tolist() for c in completions])
     tol = vcfg.billing_tolerance_frac
-
-    rows: list[dict[str, Any]] = []
-    for i, sid in enumerate(sample_ids):
+    sources = tokens.column("token_source").to_pylist()
+    layouts = []
+    for sid in sample_ids:
         r = by_id.get(sid)
         if r is None:
             raise ReconstructionError(sid, "tokens row has no done response in the responses part")
+        truncated = resp["finish_reason"][r] == "length"
+        layouts.append(completion_layout(fmt, resp["reasoning"][r], resp["content"][r], truncated=truncated))
+    not_reencoded = [i for i, src in enumerate(sources) if src in ("model", "repaired")]
+    reencoded = dict(zip(not_reencoded, backend.encode_batch([layouts[i].text for i in not_reencoded]), strict=True))
+
+    rows: list[dict[str, Any]] = []
+    for i, sid in enumerate(sample_ids):
+        r = by_id[sid]
         reasoning, content, finish = resp["reasoning"][r], resp["content"][r], resp["finish_reason"][r]
-        layout = completion_layout(fmt, reasoning, content, truncated=finish == "length")
-        issues = text_issues(fmt, reasoning, content, finish, vcfg.allowed_finish_reasons)
+        layout = layouts[i]
+        issues = text_issues(fmt, reasoning, content, finish, allowed)
         issues += special_token_issues(fmt, completions[i], reasoning_lens[i], layout, control)
         if fmt.has_reasoning:
             issues += boundary_issues(
@@ -424,7 +449,11 @@ def validate_tables(
         if decoded[i] != layout.text:
             issues.append("roundtrip_mismatch")
         reference = output_ids[r].as_py() if has_output[r] else None
-        ref = compare_reference(backend, completions[i].tolist(), reference, control.end_of_turn_id)
+        stored = completions[i].tolist()
+        ref = compare_reference(backend, reencoded.get(i, stored), reference, control.end_of_turn_id)
+        stored_exact = sources[i] == "model"
+        if stored_exact and compare_reference(backend, stored, reference, control.end_of_turn_id).match != "exact":
+            issues.append("model_ids_mismatch")
         if ref.match == "real_difference" and reference is not None:
             eot = fmt.end_of_turn
             ours_text, ref_text = decoded[i].removesuffix(eot), backend.decode(reference).removesuffix(eot)
@@ -442,7 +471,7 @@ def validate_tables(
             {
                 "sample_id": sid,
                 "dataset": datasets[i],
-                "verdict": verdict(ref.match, issues, flagged or r_flagged, vcfg),
+                "verdict": verdict(ref.match, issues, flagged or r_flagged, vcfg, stored_exact),
                 "reference_match": ref.match,
                 "first_divergence": ref.first_divergence,
                 "divergence_ours": ref.ours,
@@ -464,6 +493,7 @@ def validate_tables(
                 "prompt_delta_tokens": p_delta,
                 "prompt_match": p_match,
                 "boundary_whitespace": has_boundary_whitespace(norm_reasoning, norm_content),
+                "token_source": sources[i],
             }
         )
     verdicts = Counter(row["verdict"] for row in rows)
@@ -474,11 +504,12 @@ def validate_tables(
         **{m: matches.get(m, 0) for m in ("exact", "bpe_artifact", "real_difference", "no_reference")},
         "billing_flagged": sum(row["billing_flagged"] for row in rows),
         "prompt_drift": sum(row["prompt_match"] == "drift" for row in rows),
+        **{f"{src}_rows": sources.count(src) for src in TOKEN_SOURCES},
     }
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
-VALIDATE_CODE_VERSION = 1
+VALIDATE_CODE_VERSION = 2
 """Bump when a code change alters the validation rows computed from the same inputs."""
 
 
@@ -492,7 +523,7 @@ def validation_recipe(cfg: PipelineConfig, fmt: CompletionFormat) -> dict[str, A
         "tokenizer_hash": tokenizer_hash(cfg.tokenizer.path),
         "completion_format": fmt.describe(),
         "billing_tolerance_frac": vcfg.billing_tolerance_frac,
-        "allowed_finish_reasons": list(vcfg.allowed_finish_reasons),
+        "allowed_finish_reasons": cfg.allowed_finish_reasons,
     }
 
 
@@ -506,7 +537,9 @@ def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict
     tokenizer = load_tokenizer(cfg.tokenizer)
     tokens = read_part(out.with_stage("tokens"))
     responses = read_part(out.with_stage("responses"), columns=RESPONSE_COLUMNS)
-    table, stats = validate_tables(tokens, responses, fmt, backend_for(tokenizer), cfg.validation)
+    table, stats = validate_tables(
+        tokens, responses, fmt, backend_for(tokenizer), cfg.validation, cfg.allowed_finish_reasons
+    )
     provenance = {
         **cfg.provenance(),
         **tokenizer_provenance(cfg.tokenizer),
@@ -548,9 +581,10 @@ class _Tally:
     prompt_delta: int = 0
     excluded: Counter[str] | None = None
     whitespace: WhitespaceTally | None = None
+    sources: Counter[str] | None = None
 
     def __post_init__(self) -> None:
-        self.verdicts, self.matches, self.issues = Counter(), Counter(), Counter()
+        self.verdicts, self.matches, self.issues, self.sources = Counter(), Counter(), Counter(), Counter()
         self.prompt, self.excluded, self.whitespace = Counter(), Counter(), WhitespaceTally()
 
     def add_row(self, row: dict[str, Any], vcfg: ValidationConfig) -> None:
@@ -561,6 +595,8 @@ class _Tally:
         if row["verdict"] in ("fail", "drop"):
             self.excluded.update(exclusion_reasons(row["structural_issues"], row["reference_match"], vcfg))
         self.whitespace.add(row)
+        assert self.sources is not None
+        self.sources[row["token_source"]] += 1
         self.samples += 1
         self.verdicts[row["verdict"]] += 1
         self.matches[row["reference_match"]] += 1
@@ -642,6 +678,7 @@ VALIDATION_SUMMARY_COLUMNS = [
     "prompt_match",
     "prompt_delta_tokens",
     "boundary_whitespace",
+    "token_source",
 ]
 
 
@@ -649,16 +686,22 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
     """Per dataset: verdicts, reference matches, structural issues, billing, and the same per serving provider.
 
     Reference rates (exact/bpe_artifact/real_difference) are over samples that had a reference;
-    `no_reference_rate` and `fail_rate` over validated samples; `failed_rate` over all responses (a failed
-    generation never reaches validation, but it counts against the run).
+    `no_reference_rate` and `fail_rate` over validated samples; `failed_rate` (failures the next run retries) and
+    `deterministic_failed_rate` over all responses (a failed generation never reaches validation, but it counts
+    against the run; `tasks.validate.failure_gates`).
     """
     per: dict[str, _Tally] = {}
     serving: dict[str, dict[str, _Tally]] = {}
     done_serving: dict[str, set[str]] = {}
+    failed: dict[str, FailedResponses] = {}
 
+    columns = ["sample_id", "dataset", "status", "failure_reason", "provider", "quantization"]
     for ref in done_parts(cfg.run_dir, "responses"):
-        t = read_part(ref, columns=["dataset", "status", "provider", "quantization"])
-        for dataset, status, provider, quant in zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True):
+        t = read_part(ref, columns=columns)
+        for sid, dataset, status, reason, provider, quant in zip(
+            *(t.column(c).to_pylist() for c in columns), strict=True
+        ):
+            failed.setdefault(dataset, FailedResponses()).add(sid, status, reason)
             key = serving_key(provider, quant)
             for tally in (per.setdefault(dataset, _Tally()), serving.setdefault(dataset, {}).setdefault(key, _Tally())):
                 tally.responses += 1
@@ -680,6 +723,7 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
             {
                 "dataset": dataset,
                 **tally.rates(),
+                **failed.get(dataset, FailedResponses()).to_dict(),
                 "structural_issues": dict(sorted(tally.issues.items())),
                 "billing": tally.billing(),
                 "providers": {k: v.responses for k, v in sorted(by_server.items(), key=lambda kv: -kv[1].responses)},
@@ -696,6 +740,7 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
                 "prompt_tokens": tally.prompt_reconciliation(),
                 "prompt_tolerance_tokens": cfg.validation.prompt_tolerance_tokens,
                 "exclusion_reasons": tally.exclusions(),
+                "token_sources": {src: (tally.sources or Counter())[src] for src in TOKEN_SOURCES},
                 "whitespace": whitespace_findings(
                     {k: v.whitespace for k, v in by_server.items() if v.whitespace is not None},
                     cfg.validation.whitespace_min_samples,
@@ -705,15 +750,18 @@ def summarize_validation(cfg: PipelineConfig) -> list[dict[str, Any]]:
     return summary
 
 
-def gate_violations(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> list[str]:
-    """Every dataset and gate crossed (strictly above the maximum), as sentences naming the numbers."""
+def gate_violations(
+    summary: list[dict[str, Any]], vcfg: ValidationConfig, retry_failed: str = "transient"
+) -> list[str]:
+    """Every dataset and gate crossed (strictly above the maximum), as sentences naming the numbers; the
+    failed-responses gates also name the samples and what the next run does about them."""
     crossed = []
     for s in summary:
         name = f"dataset {s['dataset']!r}"
+        crossed += failed_gate_violations(s["dataset"], s, vcfg, retry_failed)
         rate_gates = (
             ("real_difference_rate", "real_difference", "referenced", "referenced samples", "max_real_difference_rate"),
             ("bpe_artifact_rate", "bpe_artifact", "referenced", "referenced samples", "max_bpe_artifact_rate"),
-            ("failed_rate", "failed_responses", "responses", "responses", "max_failed_rate"),
             ("fail_rate", "fail", "samples", "validated samples", "max_fail_verdict_rate"),
         )
         for rate, num, den, what, limit_name in rate_gates:
@@ -747,8 +795,8 @@ def gate_violations(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> li
     return crossed
 
 
-def check_gates(summary: list[dict[str, Any]], vcfg: ValidationConfig) -> None:
+def check_gates(summary: list[dict[str, Any]], vcfg: ValidationConfig, retry_failed: str = "transient") -> None:
     """Raise ValidationGateError naming every dataset and gate crossed."""
-    crossed = gate_violations(summary, vcfg)
+    crossed = gate_violations(summary, vcfg, retry_failed)
     if crossed:
         raise ValidationGateError("validation gates crossed:\n  " + "\n  ".join(crossed))

@@ -23,7 +23,8 @@ from tasks.validate.plots import Plot, render_plots
 OVERVIEW_COLUMNS = (
     ("dataset", "dataset"),
     ("responses", "responses"),
-    ("failed_rate", "failed"),
+    ("failed_rate", "failed, retried by the next run"),
+    ("deterministic_failed_rate", "failed, deterministic"),
     ("samples", "validated"),
     ("pass", "pass"),
     ("warn", "warn"),
@@ -34,7 +35,9 @@ OVERVIEW_COLUMNS = (
     ("real_difference_rate", "real difference"),
     ("mean_completion_tokens", "mean completion tokens"),
 )
-RATE_KEYS = frozenset({"failed_rate", "exact_rate", "bpe_artifact_rate", "real_difference_rate", "fail_rate"})
+RATE_KEYS = frozenset(
+    {"failed_rate", "deterministic_failed_rate", "exact_rate", "bpe_artifact_rate", "real_difference_rate", "fail_rate"}
+)
 EXAMPLES = 5
 PROMPT_NOTE = (
     "usage.prompt_tokens against the length of the prompt rebuilt with the chat template: drift means the provider "
@@ -74,9 +77,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def overview_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per dataset (18 columns); `overview_table` turns it for narrow displays."""
     rows = []
     for s in summary:
-        row = {label: _cell(key, s[key]) for key, label in OVERVIEW_COLUMNS}
+        row = {label: _cell(key, s.get(key, 0.0)) for key, label in OVERVIEW_COLUMNS}
         billing = s["billing"]
         row["billing delta"] = f"{billing['delta_frac']:+.3%}" if billing["has_billing"] else "n/a"
         row["reasoning billing delta"] = (
@@ -87,11 +91,22 @@ def overview_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if prompt:
             row["prompt tokens exact/tol/drift"] = f"{prompt['exact']}/{prompt['within_tolerance']}/{prompt['drift']}"
         row["excluded"] = str(s.get("excluded", s["fail"]))
+        sources = s.get("token_sources")
+        if sources:
+            row["ids model-exact/re-encoded"] = f"{sources.get('model', 0)}/{sources.get('reencoded', 0)}"
         row["serving"] = ("MIXED: " if s["mixed_serving"] else "") + ", ".join(
             f"{k} ({v})" for k, v in s["providers"].items()
         )
         rows.append(row)
     return rows
+
+
+def overview_table(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The overview with metrics as rows and datasets as columns: what fits a Prefect table artifact (and a
+    terminal) without being cut off on the right, however many metrics there are."""
+    rows = overview_rows(summary)
+    metrics = [m for m in (rows[0] if rows else {}) if m != "dataset"]
+    return [{"metric": m, **{str(r["dataset"]): r[m] for r in rows}} for m in metrics]
 
 
 def _serving_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -273,7 +288,7 @@ def artifact_markdown(report: Path, summary: list[dict[str, Any]], violations: l
     """The short form for the Prefect UI: gate status, the overview table, and where the full report is."""
     status = "**Validation gates crossed**" if violations else "All validation gates passed"
     lines = [f"# Validation: {status}", "", *[f"- {v}" for v in violations], ""]
-    lines += [markdown_table(overview_rows(summary))]
+    lines += [markdown_table(overview_table(summary))]
     lines += ["## Prompt-token reconciliation", "", markdown_table(prompt_rows(summary))]
     lines += ["## Excluded samples", "", markdown_table(exclusion_rows(summary))]
     lines += [f"Full report with plots: `{report}`"]

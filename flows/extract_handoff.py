@@ -1,0 +1,87 @@
+"""The pipeline's hand-off of hidden-state extraction to the GPU pool's deployment, and the wait for it.
+
+Invariant: the CPU worker never loads the target model, and the pipeline never waits silently for a GPU worker
+that is not there: the moment the extraction run is created it checks the run's work pool for a live worker,
+logs at once when there is none (what to start, how long it waits), and when none has taken the run after
+`RunParameters.extract_worker_wait_s` it cancels that run and fails with one clear message. Everything before
+extraction is finished and kept, so a rerun with a GPU worker resumes at extraction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+from prefect import get_run_logger
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.states import Cancelled
+
+from flows.params import RunParameters
+from tasks.common.errors import ExtractDeploymentError
+
+EXTRACT_POLL_S = 1.0
+"""How often the extraction run's state is read (Prefect's own default is 5 s: 2.5 s lost on average)."""
+
+WORKER_HINT = "`prefect worker start --pool {pool} --type process --limit 1`, as the GPU image does"
+
+
+def live_workers(client: SyncPrefectClient, pool: str) -> int:
+    online = WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"]))
+    return len(client.read_workers_for_work_pool(pool, worker_filter=online))
+
+
+def extract_on_deployment(run: RunParameters) -> list[dict[str, Any]]:
+    """Start the extraction deployment as a subflow run and wait for it (see the module docstring)."""
+    name = run.extract_deployment or ""
+    params = run.model_copy(update={"extract_deployment": None}).model_dump(mode="json")
+    flow_run = cast(FlowRun, run_deployment(name, parameters={"run": params}, as_subflow=True, timeout=0))
+    logger = get_run_logger()
+    with get_client(sync_client=True) as client:
+        final = await_extract_run(client, flow_run, name, run.extract_worker_wait_s, logger.warning)
+    if final.state is None or not final.state.is_completed():
+        message = final.state.message if final.state else "no state"
+        raise ExtractDeploymentError(f"{name} run {final.name} ended {message}")
+    return [{"deployment": name, "flow_run": str(final.id), "state": final.state.name}]
+
+
+def await_extract_run(
+    client: SyncPrefectClient,
+    flow_run: FlowRun,
+    deployment: str,
+    worker_wait_s: float,
+    warn: Callable[[str], None],
+    clock: Callable[[], float] = time.monotonic,
+) -> FlowRun:
+    """Poll until the run is final. While it waits to be picked up (still Scheduled) and its pool has no live
+    worker for `worker_wait_s` in a row, cancel it and raise ExtractDeploymentError."""
+    pool = flow_run.work_pool_name or "?"
+    alone_since: float | None = None
+    while True:
+        current = client.read_flow_run(flow_run.id)
+        state = current.state
+        if state is not None and state.is_final():
+            return current
+        waiting = state is None or state.is_scheduled()
+        if waiting and live_workers(client, pool) == 0:
+            if alone_since is None:
+                alone_since = clock()
+                warn(
+                    f"no worker is polling work pool {pool!r} for {deployment} run {current.name}: start one "
+                    f"({WORKER_HINT.format(pool=pool)}); waiting up to {worker_wait_s:g} s (extract_worker_wait_s)"
+                )
+            elif clock() - alone_since >= worker_wait_s:
+                message = (
+                    f"no worker on work pool {pool!r} took {deployment} run {current.name} within {worker_wait_s:g} s "
+                    f"(extract_worker_wait_s): start one ({WORKER_HINT.format(pool=pool)}) and rerun; every stage "
+                    "before extraction is finished and kept"
+                )
+                client.set_flow_run_state(current.id, Cancelled(message=message), force=True)
+                raise ExtractDeploymentError(message)
+        elif alone_since is not None:
+            alone_since = None
+            warn(f"a worker is polling work pool {pool!r} now; {deployment} run {current.name} is queued there")
+        time.sleep(EXTRACT_POLL_S)

@@ -1,0 +1,61 @@
+"""The failed samples of a run as Prefect table artifacts, one per dataset: which samples failed, where, why, after
+how many attempts, and what the next run does about each, readable in the UI without the worker's disk.
+
+Invariant: the rows are `FailureRecord`s (the columns of `failed_samples.jsonl` and `status`,
+`tasks.common.failures.FAILURE_COLUMNS`), failed samples in stage order before quarantined rows, at most
+`ROWS_PER_DATASET` per dataset, and the description names the file that holds all of them. A run with no
+failed sample and no quarantined row publishes none.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect.artifacts import TableArtifact
+
+from tasks.status.report import display_cell
+
+ROWS_PER_DATASET = 300
+KEY_PREFIX = "failed-samples-"
+COLUMNS = ("sample_id", "reason", "class", "rerun", "attempts", "stage", "dataset", "last_error")
+"""`FAILURE_COLUMNS` in the order a reader needs them: the UI's table cuts long rows off on the right, so what
+went wrong and what the next run does come first, the long last error last."""
+
+
+def artifact_key(dataset: str) -> str:
+    """Prefect keys are lowercase letters, digits and dashes: `failed-samples-b1` for dataset `B1`."""
+    slug = re.sub(r"[^a-z0-9]+", "-", dataset.lower()).strip("-") or "dataset"
+    return KEY_PREFIX + slug
+
+
+def table_rows(records: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [{column: display_cell(r, column) for column in COLUMNS} for r in records]
+
+
+def publish_failed_samples(
+    records: list[dict[str, Any]], failed_file: Path, flow_run_id: UUID | None = None
+) -> list[str]:
+    """One table artifact per dataset that has failed samples or quarantined rows; returns their keys.
+    `flow_run_id` attaches them to a run from outside its context (an on-failure hook)."""
+    per: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        per.setdefault(str(record["dataset"]), []).append(record)
+    keys = []
+    for dataset, rows in sorted(per.items()):
+        classes = Counter(str(r["class"]) for r in rows)
+        shown = f"the first {ROWS_PER_DATASET} shown" if len(rows) > ROWS_PER_DATASET else "all shown"
+        description = (
+            f"{len(rows)} failed samples and quarantined rows of dataset {dataset} ({shown}; "
+            + ", ".join(f"{k} {n}" for k, n in classes.most_common())
+            + f"). Every one, with the same columns: {failed_file}"
+        )
+        key = artifact_key(dataset)
+        TableArtifact(
+            key=key, table=table_rows(rows[:ROWS_PER_DATASET]), description=description, flow_run_id=flow_run_id
+        ).create()
+        keys.append(key)
+    return keys

@@ -1,0 +1,301 @@
+"""Settling pending attempts from the provider's own records, so the spend a run directory records converges on
+what it was billed instead of staying at worst case (and eating the budget of every later run).
+
+Two sources, in this order, at the start of every generate run (before anything is sent: what a killed run
+left) and at its end (once nothing is in flight):
+
+1. The generation record, `GET /api/v1/generation?id=` (`endpoint.settle_pending`, openai_chat with prices):
+   exact per attempt. Streaming gives the id with the first chunk (OpenRouter also sends `X-Generation-Id`), so
+   nearly every request cut off by a timeout, a reset or a kill has one.
+2. The key's account, `GET /api/v1/key` (`endpoint.account_settlement: exclusive_key`): its `usage` is read
+   when a run starts and ends. Between two *stable* readings (nothing in flight, usage unchanged for
+   `account_settle_stable_s`, and covering every answer known billed), what the key was charged minus what is
+   known billed is what the pending attempts of that window cost; it is apportioned over them by worst case
+   (their total is exact, each attempt's share is not). A window whose difference is negative or above its
+   pending worst case says the key was not this run directory's alone: nothing is settled there. With a
+   shared key (`off`) pending attempts stay at worst case, and their amount is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import aiohttp
+
+from tasks.common.config import PipelineConfig
+from tasks.generate.ledger import Attempt, LedgerWriter, SpendLedger
+from tasks.generate.progress import RunEvent, emit_event, format_usd
+
+if TYPE_CHECKING:
+    from tasks.generate.client import Budget, EndpointClient
+
+LOOKUP_CONCURRENCY = 256
+# Before a run sends anything, what a killed run left has had time to be indexed: one retry, not a 15 s wait on
+# ids the provider never recorded. At a run's end its own cut requests may still be indexing.
+LOOKUP_BEFORE_RUN_S = (1.0,)
+LOOKUP_AFTER_RUN_S = (0.5, 1.0, 2.0, 4.0)
+ACCOUNT_POLL_S = 0.5
+# Account usage is a float the provider rounds: differences this small (absolute, or relative to what is known
+# billed in the window) are rounding, not another user of the key.
+ACCOUNT_TOLERANCE_USD = 1e-6
+ACCOUNT_TOLERANCE_FRAC = 1e-4
+
+
+def key_url(cfg: PipelineConfig) -> str:
+    """OpenRouter's current-key record: GET {base}/v1/key (base .../api for OpenRouter)."""
+    base = cfg.endpoint.base_url.removesuffix("/v1")
+    return f"{base}/v1/key"
+
+
+@dataclass(frozen=True)
+class KeyReading:
+    usage_usd: float
+    limit_remaining_usd: float | None
+
+
+@dataclass
+class SettlementReport:
+    """What one run settled, by source, and why anything was left pending."""
+
+    by_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, src: str, worst_usd: float, cost_usd: float) -> None:
+        entry = self.by_source.setdefault(src, {"attempts": 0, "worst_usd": 0.0, "cost_usd": 0.0})
+        entry["attempts"] += 1
+        entry["worst_usd"] += worst_usd
+        entry["cost_usd"] += cost_usd
+
+    def to_dict(self) -> dict[str, Any]:
+        by_source = {
+            src: {
+                "attempts": int(e["attempts"]),
+                "worst_usd": round(e["worst_usd"], 6),
+                "cost_usd": round(e["cost_usd"], 6),
+            }
+            for src, e in self.by_source.items()
+        }
+        return {"by_source": by_source, "problems": list(self.problems)}
+
+
+def account_settlements(ledger: SpendLedger) -> tuple[list[tuple[str, float]], list[str]]:
+    """(uid, cost) for every pending attempt that a pair of consecutive stable account readings settles, and one
+    line per window that cannot be settled. Pure: reads the ledger view only."""
+    snaps = ledger.stable_accounts()
+    if len(snaps) < 2:
+        return [], []
+    times = [s.t for s in snaps]
+    windows: dict[int, list[tuple[str, Attempt]]] = {}
+    for uid, attempt in ledger.attempts.items():
+        if attempt.sent_at is None:
+            continue
+        i = bisect.bisect_right(times, attempt.sent_at)
+        if 0 < i < len(times):
+            windows.setdefault(i, []).append((uid, attempt))
+    out: list[tuple[str, float]] = []
+    problems: list[str] = []
+    for i, members in sorted(windows.items()):
+        pending = [(uid, a) for uid, a in members if a.state == "pending"]
+        if not pending:
+            continue
+        known = sum(a.billed_usd for _, a in members)
+        charged = snaps[i].usage_usd - snaps[i - 1].usage_usd
+        remainder = charged - known
+        worst = sum(a.worst_usd for _, a in pending)
+        tolerance = ACCOUNT_TOLERANCE_USD + ACCOUNT_TOLERANCE_FRAC * known
+        if remainder < -tolerance or remainder > worst + tolerance:
+            problems.append(
+                f"the key was charged {format_usd(charged)} while known answers cost {format_usd(known)} and "
+                f"{len(pending)} pending attempts at most {format_usd(worst)}: something else used the key, so "
+                "nothing was settled from its account there"
+            )
+            continue
+        remainder = min(max(remainder, 0.0), worst)
+        for uid, attempt in pending:
+            out.append((uid, remainder * attempt.worst_usd / worst if worst > 0 else 0.0))
+    return out, problems
+
+
+def billed_since(ledger: SpendLedger, t: float) -> float:
+    return sum(a.billed_usd for a in ledger.attempts.values() if a.sent_at is not None and a.sent_at > t)
+
+
+class Settler:
+    """Settles pending attempts through `client`'s session and records each settlement in `writer`; keeps the
+    run's ledger view, budget and counters in step. Event-loop confined."""
+
+    def __init__(self, cfg: PipelineConfig, client: EndpointClient, writer: LedgerWriter, ledger: SpendLedger) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.writer = writer
+        self.ledger = ledger
+        self.report = SettlementReport()
+        self.budget: Budget | None = None
+        self.settled_worst_usd = 0.0
+        self.settled_cost_usd = 0.0
+        self.settled_attempts = 0
+        self._account_started = False
+        self._not_found: set[str] = set()
+
+    def count_from_here(self) -> None:
+        """The settled_* counters start over: what was settled before the run's budget is in its prior totals."""
+        self.settled_worst_usd = self.settled_cost_usd = 0.0
+        self.settled_attempts = 0
+
+    @property
+    def by_generation(self) -> bool:
+        ep = self.cfg.endpoint
+        return ep.settle_pending and ep.kind == "openai_chat"
+
+    @property
+    def by_account(self) -> bool:
+        return self.cfg.endpoint.account_settlement == "exclusive_key"
+
+    async def before_run(self, sending: bool) -> None:
+        """What earlier (killed) runs left pending, then this run's opening account reading."""
+        await self._settle_by_generation(LOOKUP_BEFORE_RUN_S)
+        if self.by_account and (sending or self.ledger.totals().pending_attempts):
+            self._account_started = await self._account_reading("start")
+            await self._settle_by_account()
+
+    async def after_run(self, run_dir: Path) -> None:
+        """Once nothing is in flight: this run's pending attempts (read back from its flushed segment)."""
+        self.writer.log.flush()
+        self.ledger = SpendLedger.load(run_dir)
+        await self._settle_by_generation(LOOKUP_AFTER_RUN_S)
+        if self.by_account and self._account_started:
+            await self._account_reading("end")
+            await self._settle_by_account()
+
+    def _record(self, uid: str, cost: float, src: str) -> None:
+        attempt = self.ledger.attempts[uid]
+        worst = attempt.worst_usd
+        self.ledger.apply(self.writer.settled(uid, cost, "account" if src == "account" else "generation"))
+        self.report.add(src, worst, cost)
+        self.settled_worst_usd += worst
+        self.settled_cost_usd += cost
+        self.settled_attempts += 1
+        if self.budget is not None:
+            self.budget.spent_usd -= worst - cost
+
+    async def _settle_by_generation(self, delays_s: tuple[float, ...]) -> None:
+        """Every pending attempt with a generation id not already looked up in vain by this run."""
+        if not self.by_generation:
+            return
+        pending = [p for p in self.ledger.pending_with_ids() if p[0] not in self._not_found]
+        if not pending:
+            return
+        gate = asyncio.Semaphore(LOOKUP_CONCURRENCY)
+
+        async def one(generation_id: str) -> float | None:
+            async with gate:
+                return await self.client.lookup_cost(generation_id, delays_s)
+
+        costs = await asyncio.gather(*(one(gid) for _, gid, _ in pending))
+        settled = [(uid, cost) for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is not None]
+        self._not_found.update(uid for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is None)
+        worst = sum(self.ledger.attempts[uid].worst_usd for uid, _ in settled)
+        for uid, cost in settled:
+            self._record(uid, cost, "generation")
+        missing = len(pending) - len(settled)
+        if missing:
+            self.report.problems.append(
+                f"{missing} pending attempts have a generation id the provider has no record of (yet)"
+            )
+        if settled:
+            self._event(
+                f"settled {len(settled)} pending attempts from the provider's generation records: "
+                f"{format_usd(worst)} at worst case -> {format_usd(sum(c for _, c in settled))} billed"
+            )
+
+    async def _settle_by_account(self) -> None:
+        settlements, problems = account_settlements(self.ledger)
+        self.report.problems.extend(problems)
+        if not settlements:
+            return
+        worst = sum(self.ledger.attempts[uid].worst_usd for uid, _ in settlements)
+        for uid, cost in settlements:
+            self._record(uid, cost, "account")
+        self._event(
+            f"settled {len(settlements)} pending attempts from the key's account usage: {format_usd(worst)} at "
+            f"worst case -> {format_usd(sum(c for _, c in settlements))} billed"
+        )
+
+    async def _account_reading(self, at: Literal["start", "end"]) -> bool:
+        """Poll the key until its usage is stable and covers every known answer since the last stable reading, or
+        `account_settle_wait_s` passes; record the reading (stable or not). False when the key cannot be read."""
+        ep = self.cfg.endpoint
+        stable_snaps = self.ledger.stable_accounts()
+        expected = None
+        if stable_snaps:
+            last = stable_snaps[-1]
+            expected = last.usage_usd + billed_since(self.ledger, last.t)
+        deadline = time.monotonic() + ep.account_settle_wait_s
+        last_usage: float | None = None
+        changed_at = time.monotonic()
+        while True:
+            reading = await self._read_key()
+            if isinstance(reading, str):
+                self.report.problems.append(reading)
+                return False
+            now = time.monotonic()
+            if reading.usage_usd != last_usage:
+                last_usage, changed_at = reading.usage_usd, now
+            covers = expected is None or reading.usage_usd >= expected - ACCOUNT_TOLERANCE_USD
+            stable = covers and now - changed_at >= ep.account_settle_stable_s
+            if stable or now >= deadline:
+                break
+            await asyncio.sleep(min(ACCOUNT_POLL_S, max(0.0, deadline - now)))
+        if not stable:
+            self.report.problems.append(
+                f"the key's usage did not settle within endpoint.account_settle_wait_s="
+                f"{ep.account_settle_wait_s:g} s ({'still moving' if covers else 'behind the answers known billed'}); "
+                f"the {at} reading settles nothing"
+            )
+        self.ledger.apply(self.writer.account(at, reading.usage_usd, reading.limit_remaining_usd, stable))
+        return True
+
+    async def _read_key(self) -> KeyReading | str:
+        session = self.client.session
+        url = key_url(self.cfg)
+        try:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    text = self.client.redact((await resp.text())[:200])
+                    return f"GET {url} answered HTTP {resp.status} ({text!r}): no account settlement"
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            return f"GET {url} failed ({type(exc).__name__}): no account settlement"
+        data = body.get("data") if isinstance(body, dict) else None
+        usage = data.get("usage") if isinstance(data, dict) else None
+        if not isinstance(usage, int | float) or isinstance(usage, bool):
+            return f"GET {url} has no numeric data.usage: no account settlement"
+        remaining = data.get("limit_remaining") if isinstance(data, dict) else None
+        return KeyReading(float(usage), float(remaining) if isinstance(remaining, int | float) else None)
+
+    def _event(self, message: str) -> None:
+        emit_event(RunEvent("settled", message, time.monotonic() - self.client.started))
+
+
+def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None:
+    """The line every surface prints while anything is pending: the amount, what it is, what settles it."""
+    count = spend.get("pending_attempts") or 0
+    if not count:
+        return None
+    how = (
+        "the key's account (endpoint.account_settlement: exclusive_key) could not settle them yet; a later run "
+        "tries again"
+        if account_settlement == "exclusive_key"
+        else "the key may be shared, so its account cannot tell what they cost; if only this run directory uses "
+        "it, endpoint.account_settlement: exclusive_key settles them from the key's usage"
+    )
+    return (
+        f"pending: {format_usd(spend.get('pending_usd'))} over {count} attempts sent without an answer this "
+        f"process could read (timeouts, resets, kills), counted at their worst case against endpoint.max_cost_usd "
+        f"beside {format_usd(spend.get('billed_usd'))} billed; {how}."
+    )

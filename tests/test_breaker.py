@@ -1,0 +1,120 @@
+"""The circuit breaker alone, with a scripted liveness probe: when sends pause, how often it probes while the
+endpoint is down, the one trial request, and the stop after outage_abort_s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tasks.common.errors import EndpointUnavailableError
+from tasks.generate.breaker import CircuitBreaker
+
+
+class Endpoint:
+    """A probe target that is down until `up()`; counts probes."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.probes = 0
+        self.last_success = time.monotonic()
+        self.events: list[str] = []
+
+    async def probe(self) -> bool:
+        self.probes += 1
+        await asyncio.sleep(0)
+        return self.down
+
+    def breaker(self, abort_s: float = 60.0, probe_max_s: float = 0.08) -> CircuitBreaker:
+        return CircuitBreaker(
+            self.probe,
+            lambda: self.last_success,
+            lambda kind, message: self.events.append(kind),
+            probe_min_s=0.01,
+            probe_max_s=probe_max_s,
+            abort_s=abort_s,
+        )
+
+
+def test_a_lone_failure_among_answers_pauses_nothing_and_uses_up_an_attempt() -> None:
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        endpoint.down = False
+        breaker = endpoint.breaker()
+        down = await breaker.judge(time.monotonic(), answered_since=True, trial=False, error="reset")
+        assert down is False and breaker.state == "closed" and breaker.sendable()
+        assert endpoint.events == [] and endpoint.probes == 1
+
+    asyncio.run(scenario())
+
+
+def test_an_outage_holds_every_sender_probes_with_backoff_and_resumes_through_one_trial() -> None:
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        breaker = endpoint.breaker()
+        sent_at = time.monotonic()
+        # Three senders fail at once with nothing answered since they were sent: one probe decides for all.
+        verdicts = await asyncio.gather(
+            *(breaker.judge(sent_at, answered_since=False, trial=False, error="refused") for _ in range(3))
+        )
+        assert verdicts == [True, True, True] and breaker.state == "open" and not breaker.sendable()
+        assert endpoint.events == ["outage_start"]
+        assert breaker.take() is None, "no request leaves while the endpoint is down"
+        waiters = [asyncio.ensure_future(breaker.wait()) for _ in range(5)]
+        began = time.monotonic()
+        await asyncio.sleep(0.4)
+        down_s = time.monotonic() - began
+        assert not any(w.done() for w in waiters)
+        # Probes back off 0.01, 0.02, 0.04, then one every 0.08 s at most, one at a time, whoever waits.
+        assert 2 <= endpoint.probes <= 4 + down_s / 0.08, (endpoint.probes, down_s)
+        endpoint.down = False
+        await asyncio.wait_for(asyncio.gather(*waiters), timeout=5)
+        assert breaker.state == "trial"
+        takes = [breaker.take() for _ in range(5)]
+        assert takes.count(True) == 1 and takes.count(None) == 4, "exactly one trial request"
+        # The trial fails as the endpoint goes down again: open, and still no other request.
+        assert await breaker.judge(time.monotonic(), answered_since=False, trial=True, error="503") is True
+        assert breaker.state == "open" and breaker.take() is None
+        await asyncio.wait_for(breaker.wait(), timeout=5)
+        assert breaker.take() is True
+        breaker.alive()  # the trial's answer
+        assert breaker.state == "closed" and breaker.take() is False
+        assert endpoint.events == ["outage_start", "outage_end"]
+        assert breaker.outages == 1
+        await breaker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_trial_that_is_never_sent_lets_another_sender_take_it() -> None:
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        breaker = endpoint.breaker()
+        await breaker.judge(time.monotonic(), answered_since=False, trial=False, error="refused")
+        endpoint.down = False
+        await asyncio.wait_for(breaker.wait(), timeout=5)
+        assert breaker.take() is True and breaker.take() is None
+        breaker.release_trial()
+        assert breaker.take() is True
+        await breaker.close()
+
+    asyncio.run(scenario())
+
+
+def test_after_outage_abort_s_without_an_answer_every_waiting_sender_stops() -> None:
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        breaker = endpoint.breaker(abort_s=0.2)
+        await breaker.judge(time.monotonic(), answered_since=False, trial=False, error="refused")
+        waiters = [asyncio.ensure_future(breaker.wait()) for _ in range(3)]
+        done, _ = await asyncio.wait(waiters, timeout=5)
+        assert len(done) == 3
+        for waiter in waiters:
+            with pytest.raises(EndpointUnavailableError, match="rerun to resume"):
+                waiter.result()
+        with pytest.raises(EndpointUnavailableError):
+            breaker.take()
+        await breaker.close()
+
+    asyncio.run(scenario())

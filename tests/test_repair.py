@@ -1,0 +1,87 @@
+"""Repairing re-encoded ids with the splits reference answers show (`reconstruct.repair_from`): rules are learned
+only where the model mostly replaced the re-encoding, applying them never changes the text, and a run whose
+endpoint gave no ids gets the model's split back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from tasks.common.messages import Message
+from tasks.common.shards import PartRef, read_part
+from tasks.reconstruct.completion_format import PRESETS
+from tasks.reconstruct.repair import RepairTable
+from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.tokenizer_backend import backend_for
+from tests.test_reconstruct import make_cfg, response_row, sid_of, write_inputs
+
+DEMO = PRESETS["deepseek_v4_thinking"]
+EOS = "<｜end▁of▁sentence｜>"
+REASONING = "Recall where the pole is."
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids
+
+
+def split(tokenizer: PreTrainedTokenizerBase, ids: list[int], word: str, parts: tuple[str, ...]) -> list[int]:
+    """The model's way of writing `word` (one token when re-encoded): as `parts`, one token each."""
+    whole = encode(tokenizer, word)
+    pieces = [t for part in parts for t in encode(tokenizer, part)]
+    assert len(whole) == 1 and len(pieces) == len(parts)
+    return [t for token in ids for t in (pieces if token == whole[0] else [token])]
+
+
+def split_north(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
+    return split(tokenizer, ids, " NORTH", (" ", "NOR", "TH"))
+
+
+def test_rules_follow_what_the_model_mostly_did(tokenizer: PreTrainedTokenizerBase) -> None:
+    backend = backend_for(tokenizer)
+    texts = [f"Go NORTH at step {i}, then EAST." for i in range(4)]
+    ours = [encode(tokenizer, t) for t in texts]
+    model = [split_north(tokenizer, ids) for ids in ours[:3]] + [ours[3]]  # the 4th answer kept the merge
+    model[0] = split(tokenizer, model[0], " EAST", (" E", "AST"))  # a one-off split: not a rule
+    table = RepairTable.learn(backend, zip(ours, model, strict=True))
+    north = tuple(encode(tokenizer, " NORTH"))
+    assert table.rules == {north: tuple(split_north(tokenizer, list(north)))}
+    assert table.replaced[north] == 3 and table.kept[north] == 1
+    fresh = encode(tokenizer, "Turn NORTH now, then NORTH again.")
+    fixed, applied = table.apply(backend, fresh)
+    assert applied == 2 and fixed == split_north(tokenizer, fresh)
+    assert tokenizer.decode(fixed) == tokenizer.decode(fresh)
+
+
+def test_repair_from_a_reference_run(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The reference run's /generate ids teach the split; the text-only run's rows get it (token_source
+    "repaired"), the rest stay re-encoded, and the rules are part of the tokens recipe."""
+    answers = [f"Walk NORTH for {i} miles." for i in range(4)]
+    reference_dir, text_dir = tmp_path / "reference", tmp_path / "text"
+    convs = [[Message(role="user", content=f"Where to, question {i}?")] for i in range(4)]
+    rows = []
+    for conv, answer in zip(convs, answers, strict=True):
+        model_ids = split_north(tokenizer, encode(tokenizer, f"{REASONING}</think>{answer}{EOS}"))
+        rows.append(response_row(sid_of(conv), REASONING, answer, output_ids=model_ids))
+    write_inputs(reference_dir, 0, convs, rows)
+    reconstruct_part(make_cfg(reference_dir, tokenizer_dir), 0, DEMO)
+
+    text_convs = [[Message(role="user", content=f"Other question {i}?")] for i in range(2)]
+    text_answers = ["Then NORTH again.", "No turns here."]
+    write_inputs(
+        text_dir,
+        0,
+        text_convs,
+        [response_row(sid_of(c), REASONING, a) for c, a in zip(text_convs, text_answers, strict=True)],
+    )
+    stats = reconstruct_part(make_cfg(text_dir, tokenizer_dir, repair_from=reference_dir), 0, DEMO)
+    out = {r["sample_id"]: r for r in read_part(PartRef(text_dir, "tokens", 0)).to_pylist()}
+    first, second = (out[sid_of(c)] for c in text_convs)
+    assert first["token_source"] == "repaired" and second["token_source"] == "reencoded"
+    expected = split_north(tokenizer, encode(tokenizer, f"{REASONING}</think>{text_answers[0]}{EOS}"))
+    assert first["input_ids"][first["prompt_len"] :] == expected
+    assert stats["repaired_rows"] == 1 and stats["reencoded_rows"] == 1
+    assert sum(first["loss_mask"]) == len(expected)
+    plain = reconstruct_part(make_cfg(text_dir, tokenizer_dir), 0, DEMO)  # no repair: another recipe, rebuilt
+    assert not plain["reused"] and plain["repaired_rows"] == 0
