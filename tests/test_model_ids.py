@@ -25,7 +25,7 @@ from tasks.common.messages import sample_id
 from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, read_part, write_part
 from tasks.generate import CompletionMarkers, generate_parts
-from tasks.generate.endpoints import StreamAssembler
+from tasks.generate.sse import StreamAssembler
 from tasks.generate.token_bytes import LogprobTokens, exact_ids, token_bytes_index
 from tasks.reconstruct.completion_format import format_for
 from tasks.reconstruct.stage import reconstruct_part
@@ -149,8 +149,8 @@ def test_bytes_map_split_characters_and_non_canonical_pieces(tokenizer: PreTrain
     stream = StreamAssembler()
     for e in entries:
         chunk = {"id": "g", "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": {"content": [e]}}]}
-        stream.feed_line("data: " + json.dumps(chunk))
-    stream.feed_line('data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}')
+        stream.feed(f"data: {json.dumps(chunk)}\n\n".encode())
+    stream.feed(b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
     fed = LogprobTokens()
     fed.feed(stream.body()["choices"][0]["logprobs"])
     assert exact_ids(fed, tokenizer, "", text, "</think>") == expected

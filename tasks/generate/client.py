@@ -51,7 +51,6 @@ from tasks.generate.endpoints import (
     EndpointRequest,
     GenerationResult,
     MalformedResponseError,
-    StreamAssembler,
     build_request,
     generation_lookup_url,
     parse_response,
@@ -59,6 +58,8 @@ from tasks.generate.endpoints import (
 from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
 from tasks.generate.ledger import LedgerWriter, Outcome
 from tasks.generate.progress import RunEvent, emit_event
+from tasks.generate.sse import StreamAssembler
+from tasks.generate.stall_watch import StallWatch, stop_per_read_timer
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 RUN_FATAL_STATUS = frozenset({401, 403, 404})
@@ -386,7 +387,9 @@ class EndpointClient:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=ep.max_in_flight + 64, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(
-                total=ep.request_timeout_s,
+                # A streamed body's total and idle limits are kept by `_read_stream`'s StallWatch, at no cost per
+                # read; aiohttp's total timeout costs a context switch on every read of the body.
+                total=None if ep.stream else ep.request_timeout_s,
                 sock_connect=ep.connect_timeout_s,
                 sock_read=ep.stream_idle_timeout_s if ep.stream else None,
             ),
@@ -672,17 +675,25 @@ class EndpointClient:
     async def _read_stream(
         self, resp: aiohttp.ClientResponse, on_generation_id: Callable[[str], None] | None = None
     ) -> dict[str, Any]:
-        """The SSE body folded into the equivalent non-streaming body; a cut or failing stream is retryable.
-        `on_generation_id(id)` is called once, as soon as a chunk carries the generation id."""
-        stream = StreamAssembler()
+        """The SSE body folded into the equivalent non-streaming body; a cut, stalled or failing stream is
+        retryable. `on_generation_id` is called once, as soon as the id is known.
+
+        Reads whatever the socket has (`readany`), never line by line: a coroutine per line was most of the
+        client's CPU at thousands of streams, and so was aiohttp's per-read timer, which `StallWatch` replaces."""
+        stream = StreamAssembler(on_generation_id)
+        content = resp.content
+        stop_per_read_timer(resp)
+        ep = self.cfg.endpoint
+        watch = StallWatch(asyncio.get_running_loop(), content, ep.stream_idle_timeout_s, ep.request_timeout_s)
+        feed = stream.feed
         try:
-            async for raw_line in resp.content:
-                stream.feed_line(raw_line.decode("utf-8", errors="replace").rstrip("\r\n"))
-                if on_generation_id is not None and (generation_id := stream.generation_id()) is not None:
-                    on_generation_id(generation_id)
-                    on_generation_id = None
-                if stream.done:
+            while not stream.done:
+                data = await content.readany()
+                if not data:
+                    stream.close()
                     break
+                feed(data)
+                data = b""  # not held while the next read waits: 10,000 streams would each keep their last read
         except MalformedResponseError as exc:
             raise RetryableError(
                 "truncated_stream", self.redact(str(exc)), billed=None, generation_id=stream.generation_id()
@@ -691,6 +702,8 @@ class EndpointClient:
             # Cut mid-stream: billed, but by how much only the generation record can tell.
             setattr(exc, "generation_id", stream.generation_id())  # noqa: B010
             raise
+        finally:
+            watch.cancel()
         if stream.error is not None:
             error = self.redact(json.dumps(stream.error, ensure_ascii=False))[:ERROR_SNIPPET_CHARS]
             raise RetryableError(

@@ -7,7 +7,6 @@ exact prompt ids and returns the sampled `output_ids`, which are the ground trut
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,89 +258,6 @@ def _parse_chat(
         prompt_ids=None,
         quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
     )
-
-
-class StreamAssembler:
-    """Folds OpenAI-style SSE chunks into the body a non-streaming call would have returned.
-
-    OpenRouter interleaves `: OPENROUTER PROCESSING` comment lines, may send usage in the finish chunk or in a
-    separate last chunk with no choices, and reports a mid-stream failure as a chunk with an `error` object.
-    A stream that ends without a finish_reason is truncated, whatever else arrived.
-    """
-
-    def __init__(self) -> None:
-        self.reasoning: list[str] = []
-        self.content: list[str] = []
-        self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.meta: dict[str, Any] = {}
-        self.error: Any = None
-        self.done = False
-        self.logprobs = LogprobTokens()
-
-    def feed_line(self, line: str) -> None:
-        """One line of the event stream (without its newline)."""
-        if not line or line.startswith(":"):
-            return
-        field, _, value = line.partition(":")
-        if field != "data":
-            return
-        value = value.removeprefix(" ")
-        if value == "[DONE]":
-            self.done = True
-            return
-        try:
-            chunk = json.loads(value)
-        except ValueError as exc:
-            raise MalformedResponseError(f"stream chunk is not JSON: {value[:200]!r}") from exc
-        if not isinstance(chunk, dict):
-            raise MalformedResponseError(f"stream chunk is a JSON {type(chunk).__name__}, expected an object")
-        self._feed(chunk)
-
-    def _feed(self, chunk: dict[str, Any]) -> None:
-        if chunk.get("error"):
-            self.error = chunk["error"]
-        for key in ("id", "provider", "model", "quantization"):
-            if chunk.get(key) is not None:
-                self.meta.setdefault(key, chunk[key])
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices")
-        if not isinstance(choices, list):
-            return
-        for choice in choices:
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                piece = delta.get("reasoning")
-                if piece is None or (piece == "" and delta.get("reasoning_content")):
-                    piece = delta.get("reasoning_content")
-                if isinstance(piece, str):
-                    self.reasoning.append(piece)
-                if isinstance(delta.get("content"), str):
-                    self.content.append(delta["content"])
-            if choice.get("logprobs") is not None:
-                self.logprobs.feed(choice["logprobs"])
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
-
-    def generation_id(self) -> str | None:
-        """The id from the chunks seen so far: what a cut stream's billing can be looked up by."""
-        gen_id = self.meta.get("id")
-        return gen_id if isinstance(gen_id, str) else None
-
-    def body(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.reasoning:
-            message["reasoning"] = "".join(self.reasoning)
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish_reason}
-        if self.logprobs.seen:
-            choice["logprobs"] = self.logprobs.wire()
-        body: dict[str, Any] = {**self.meta, "choices": [choice]}
-        if self.usage is not None:
-            body["usage"] = self.usage
-        return body
 
 
 def split_completion(text: str, markers: CompletionMarkers) -> tuple[str | None, str]:
