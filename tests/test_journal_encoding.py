@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -86,3 +87,25 @@ def test_records_read_back_as_written(tmp_path: Path) -> None:
     log.close()
     back = list(read_records(tmp_path / "j.log"))
     assert json.dumps(back) == json.dumps(readable)
+
+
+def test_a_record_submitted_to_an_idle_log_reaches_the_file_without_close(tmp_path: Path) -> None:
+    """The writer thread sleeps while it has nothing to do; the next record must wake it (a kill -9 after that
+    record's answer was paid for must find it in the file), as must a `write_now` record's fsync."""
+    path = tmp_path / "segment.log"
+    log = AppendLog(path, group_commit_s=0.05)
+    try:
+        time.sleep(0.2)  # idle: nothing queued, nothing to fsync
+        log.submit({"n": 1})
+        deadline = time.monotonic() + 10
+        while not list(read_records(path)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(read_records(path)) == [{"n": 1}]
+        time.sleep(0.2)
+        log.write_now({"n": 2})
+        log.submit({"n": 3})
+        while len(list(read_records(path))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(read_records(path)) == [{"n": 1}, {"n": 2}, {"n": 3}]
+    finally:
+        log.close()

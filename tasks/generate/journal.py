@@ -12,6 +12,8 @@ Two ways in, for two durability needs:
   every `group_commit_s` (group commit), so the event loop never encodes or waits on a disk. A `kill -9` loses
   at most the last 20 ms of records (the kernel keeps what was written); a machine crash the last
   `group_commit_s`.
+The writer thread sleeps while it has nothing to write or fsync (a run waiting on long streams, an outage), and
+the first record after that wakes it: an idle log costs no CPU, and fsyncs only follow writes.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class AppendLog:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
+        self._idle = False
+        self._dirty = False  # written since the last fsync
         self._closed = False
         self._error: BaseException | None = None
         self._last_fsync = time.monotonic()
@@ -134,16 +138,27 @@ class AppendLog:
             os.write(self._fd, frame)
             self.bytes_written += len(frame)
             self.records_written += 1
+            self._dirty = True
+        if self._idle:
+            self._wake.set()
 
     def submit(self, record: Any) -> None:
         """Queue for the next group commit; never blocks on I/O."""
         if self._error is not None:
             raise RuntimeError(f"journal {self.path} writer failed: {self._error}") from self._error
         self._queue.append(record)
+        if self._idle:
+            self._wake.set()
 
     def _loop(self) -> None:
         while not self._closed:
-            self._wake.wait(min(WRITE_EVERY_S, self.group_commit_s))
+            if self._queue or self._dirty:
+                self._wake.wait(min(WRITE_EVERY_S, self.group_commit_s))
+            else:
+                self._idle = True  # before the second look: a record queued after it sees _idle and wakes us
+                if not (self._queue or self._dirty or self._closed):
+                    self._wake.wait()
+                self._idle = False
             self._wake.clear()
             try:
                 self._flush(sync=time.monotonic() - self._last_fsync >= self.group_commit_s)
@@ -161,7 +176,9 @@ class AppendLog:
                     os.write(self._fd, data)
                     self.bytes_written += len(data)
                     self.records_written += len(batch)
-            if sync:
+                    self._dirty = True
+            if sync and self._dirty:
+                self._dirty = False  # before the fsync: a write racing it stays dirty for the next one
                 os.fsync(self._fd)
                 self._last_fsync = time.monotonic()
             self.cpu_s += time.thread_time() - started
