@@ -13,7 +13,7 @@ from endpoint_sim.responder import FailureRule
 from endpoint_sim.server import SimulatorServer
 from flows.generate_progress import LogProgressListener, log_line, logged_events
 from tasks.generate import generate_parts
-from tasks.generate.progress import RunEvent, emit_event
+from tasks.generate.progress import ProgressSnapshot, RunEvent, emit_event
 from tests.test_generate import MARKERS, make_cfg, refs, write_prompts
 from tests.test_progress import RUNNING
 
@@ -57,12 +57,17 @@ def test_progress_lines_from_the_real_engine_carry_retries_by_reason_and_failure
     )
     write_prompts(tmp_path, 0, 12, "log")
     cfg = make_cfg(tmp_path, sim, tokenizer_dir, progress_every_s=0.05)
-    summary = generate_parts(cfg, refs(tmp_path, 1), MARKERS, listeners=[LogProgressListener(logger, every_s=3600)])
+    snapshots: list[ProgressSnapshot] = []
+    listeners = [LogProgressListener(logger, every_s=3600), snapshots.append]
+    summary = generate_parts(cfg, refs(tmp_path, 1), MARKERS, listeners=listeners)
     total = summary.to_dict()["total"]
     assert total["retries_by_reason"].get("http_503", 0) > 0 and total["failures_by_reason"]["context_length"] > 0
 
     lines = _lines(logger).messages
-    assert len(lines) == 2, "the first snapshot and the final one; none in between within the interval"
+    # The first snapshot and the final one, none in between within the interval (on a starved machine the
+    # engine may not have published a snapshot before the final one: then the final line alone).
+    assert snapshots and snapshots[-1].final
+    assert len(lines) == min(2, len(snapshots)), [s.final for s in snapshots]
     last = lines[-1]
     assert last.startswith("generate 12/12 (100.0%)")
     assert f"sent {total['requests_sent']}" in last and f"done {total['done']}" in last
