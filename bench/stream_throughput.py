@@ -46,10 +46,10 @@ RLIMIT_NOFILE to what N needs (capped by the hard limit: 10,000 streams need a h
 
 `--baseline REF` adds a third client: the project client of another commit (its `tasks/` extracted from git into a
 scratch directory that comes first on the child's path), so a before/after comparison is measured side by side
-(main's client cannot join UTF-16 halves: run it with `--no-split-surrogates`).
+(the client before incremental assembly, 75d4d34, cannot join UTF-16 halves: run it with `--no-split-surrogates`).
 
     python bench/stream_throughput.py                       # N = 2,000 and 10,000 (about 30 minutes)
-    python bench/stream_throughput.py --streams 2000 --baseline main --no-split-surrogates
+    python bench/stream_throughput.py --streams 2000 --baseline 75d4d34 --no-split-surrogates
     python bench/stream_throughput.py --quick               # smoke run, about a minute
 
 Human-readable lines go to stderr; the last stdout line is one JSON object. Everything listens on 127.0.0.1.
