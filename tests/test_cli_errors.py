@@ -227,6 +227,7 @@ def test_run_stops_before_prefect_on_what_a_preflight_can_see(
         os.environ.update(saved)
 
 
+@pytest.mark.slow  # moved to make test-long (CI runs both) to keep make test near 6 minutes
 def test_run_reports_prefect_failures_as_one_line(
     sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, prefect_api: str
 ) -> None:

@@ -44,6 +44,7 @@ def _flow_run_tags(flow_run_id: Any) -> list[str]:
         return list(client.read_flow_run(flow_run_id).tags)
 
 
+@pytest.mark.slow  # moved to make test-long (CI runs both) to keep make test near 6 minutes
 @pytest.mark.usefixtures("prefect_harness")
 def test_budget_stop_is_clean_and_resumable(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"

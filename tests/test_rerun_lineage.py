@@ -20,6 +20,8 @@ from tasks.common.shards import done_parts, read_marker, read_part
 from tasks.status.report import run_status
 from tests.conftest import DEMO_DATA
 
+pytestmark = pytest.mark.slow  # minutes of real pipeline and training runs: make test-long (CI runs both)
+
 PER_PART = 8
 
 

@@ -426,6 +426,7 @@ def test_cli_accepts_new_fields_and_failure_kinds(tmp_path: Path) -> None:
         parse_args(["--model-dir", str(tmp_path), "--fail", "nonsense:0.1"])
 
 
+@pytest.mark.slow  # moved to make test-long (CI runs both) to keep make test near 6 minutes
 def test_module_serves_on_a_free_port_from_a_port_file(tokenizer_dir: Path, tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     proc = subprocess.Popen(

@@ -27,6 +27,8 @@ from tasks.train import TrainOptions, train_run
 from tasks.train.stage import speculators_layer_ids
 from tests.test_extract import make_cfg
 
+pytestmark = pytest.mark.slow  # minutes of real pipeline and training runs: make test-long (CI runs both)
+
 SAMPLES = 24
 OPTIONS = TrainOptions(epochs=5, lr=3e-3, total_seq_len=128, draft_vocab_size=512, val_fraction=0.25)
 
