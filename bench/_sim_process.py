@@ -259,3 +259,16 @@ def pipeline_config(run_dir: Path, base_url: str, model_dir: Path, **endpoint: A
         endpoint=EndpointConfig(**{**fields, **endpoint}),
         tokenizer=TokenizerConfig(path=model_dir),
     )
+
+
+def engine_row(sample_id: str, outcome: Any) -> dict[str, Any]:
+    """The row the engine builds from a `SampleOutcome` (`_Run.record`, outside the sample's coroutine) and
+    journals: what it keeps of an answer once the outcome is dropped."""
+    from tasks.generate.engine import RESULT_FIELDS
+
+    row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
+    if outcome.result is not None:
+        row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
+    failed = outcome.result is None or outcome.reason is not None
+    row.update(status="failed" if failed else "done", failure_reason=outcome.reason)
+    return row

@@ -64,6 +64,7 @@ from _sim_process import (
     GcTimer,
     SimProcess,
     emit,
+    engine_row,
     log,
     peak_rss_since_reset_mib,
     pipeline_config,
@@ -77,9 +78,8 @@ from _sim_process import (
 
 from endpoint_sim.responder import REASONING_CLOSE
 from tasks.common.messages import Message
-from tasks.generate.client import AttemptTag, EndpointClient, SampleOutcome
+from tasks.generate.client import AttemptTag, EndpointClient
 from tasks.generate.endpoints import CompletionMarkers, build_request
-from tasks.generate.engine import RESULT_FIELDS
 from tasks.generate.journal import AppendLog
 from tasks.generate.ledger import LedgerWriter
 
@@ -94,17 +94,6 @@ def prompt_pool(size: int) -> list[list[Message]]:
         [Message(role="user", content=f"[throughput {i}] What lies NORTH of Paris, and how far is it in km?")]
         for i in range(size)
     ]
-
-
-def engine_row(sample_id: str, outcome: SampleOutcome) -> dict[str, Any]:
-    """The row the engine builds (`_Run.record`, outside the sample's coroutine) and journals: what it keeps of an
-    answer once the outcome is dropped."""
-    row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
-    if outcome.result is not None:
-        row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
-    failed = outcome.result is None or outcome.reason is not None
-    row.update(status="failed" if failed else "done", failure_reason=outcome.reason)
-    return row
 
 
 async def raw_client(url: str, payloads: list[dict[str, Any]], concurrency: int, requests: int) -> dict[str, Any]:

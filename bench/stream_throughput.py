@@ -88,6 +88,7 @@ from _sim_process import (  # noqa: E402
     REPO,
     GcTimer,
     emit,
+    engine_row,
     log,
     peak_rss_since_reset_mib,
     pipeline_config,
@@ -101,9 +102,8 @@ from _sim_process import (  # noqa: E402
 
 from endpoint_sim.long_answers import LongStreamConfig, long_answer, render_stream  # noqa: E402
 from tasks.common.messages import Message  # noqa: E402
-from tasks.generate.client import AttemptTag, EndpointClient, SampleOutcome  # noqa: E402
+from tasks.generate.client import AttemptTag, EndpointClient  # noqa: E402
 from tasks.generate.endpoints import CompletionMarkers, build_request  # noqa: E402
-from tasks.generate.engine import RESULT_FIELDS  # noqa: E402
 from tasks.generate.journal import AppendLog  # noqa: E402
 from tasks.generate.ledger import LedgerWriter  # noqa: E402
 
@@ -117,16 +117,6 @@ START_TIMEOUT_S = 60.0
 
 def prompts(n: int) -> list[list[Message]]:
     return [[Message(role="user", content=f"[stream {i}] Think it through at length, then answer.")] for i in range(n)]
-
-
-def engine_row(sample_id: str, outcome: SampleOutcome) -> dict[str, Any]:
-    """The row the engine builds from an outcome (`_Run.record`) and journals."""
-    row: dict[str, Any] = {"sample_id": sample_id, "dataset": "bench", "attempts": outcome.attempts}
-    if outcome.result is not None:
-        row.update({name: getattr(outcome.result, name) for name in RESULT_FIELDS})
-    failed = outcome.result is None or outcome.reason is not None
-    row.update(status="failed" if failed else "done", failure_reason=outcome.reason)
-    return row
 
 
 class RawEvents:
