@@ -9,8 +9,9 @@ Both routes serve it: chat completions return the decoded text (with per-token l
 
 Two answer shapes (`stop`):
 - "model": the model ends its own turn: decoding stops at its end-of-turn id (the tokenizer's eos and the
-  model's generation-config eos ids) or at `max_new_tokens` (then the answer is "length"). Every token is the
-  model's choice, non-canonical splits and partial UTF-8 pieces included: what a real serving stack returns.
+  model's generation-config eos ids) or at the request's token limit (`max_tokens`, `max_new_tokens`; at most
+  the backend's own `max_new_tokens`), and then the answer is "length". Every token is the model's choice,
+  non-canonical splits and partial UTF-8 pieces included: what a real serving stack returns.
   With a tokenizer that has a single `</think>` token the reasoning is what precedes the model's own `</think>`.
 - "forced": a random-weight model never stops thinking or ends its turn, so the shape comes from the simulator's
   knobs: `reasoning_words` tokens, then `</think>`, then `content_words` tokens, then the end of turn. Its choices
@@ -51,6 +52,8 @@ class _Row:
     prompt_ids: tuple[int, ...]
     future: Future[SimSample]
     generator: torch.Generator
+    cap: int
+    """tokens this decode may produce: the request's limit, at most the backend's `max_new_tokens`"""
     forced_close_at: int | None = None
     forced_length: int | None = None
 
@@ -129,40 +132,61 @@ class ModelResponder(Responder):
 
     # -- requests -------------------------------------------------------------------------------------------
 
-    def sample(self, prompt_ids: tuple[int, ...], seed: int | None, key: str | None = None) -> SimSample:
-        """Blocking: the cached sample, or one decoded in the next batch."""
+    def sample(
+        self, prompt_ids: tuple[int, ...], seed: int | None, key: str | None = None, limit: int | None = None
+    ) -> SimSample:
+        """Blocking: the cached sample, or one decoded in the next batch. `limit`: the request's token limit;
+        the decode stops there (a longer answer is cut at the limit anyway), so a cached shorter cut is
+        decoded again for a request with a higher limit."""
         key = key or self.key(prompt_ids, seed)
-        cached = self._samples.get(key)
-        if cached is not None:
-            return cached
-        return self._submit(key, prompt_ids).result()
+        while True:
+            cached = self._samples.get(key)
+            if cached is not None and self._serves(cached, limit):
+                return cached
+            sample = self._submit(key, prompt_ids, limit).result()
+            if self._serves(sample, limit):
+                return sample
 
-    async def sample_async(self, prompt_ids: tuple[int, ...], seed: int | None, key: str | None = None) -> SimSample:
+    async def sample_async(
+        self, prompt_ids: tuple[int, ...], seed: int | None, key: str | None = None, limit: int | None = None
+    ) -> SimSample:
         """For the server's event loop: waits for the batch worker without holding an executor thread."""
         key = key or self.key(prompt_ids, seed)
-        cached = self._samples.get(key)
-        if cached is not None:
-            return cached
-        # shielded: a client that gives up cancels its handler, and the decode must still finish for its retry
-        return await asyncio.shield(asyncio.wrap_future(self._submit(key, prompt_ids)))
+        while True:
+            cached = self._samples.get(key)
+            if cached is not None and self._serves(cached, limit):
+                return cached
+            # shielded: a client that gives up cancels its handler, and the decode must still finish for its retry
+            sample = await asyncio.shield(asyncio.wrap_future(self._submit(key, prompt_ids, limit)))
+            if self._serves(sample, limit):
+                return sample
 
-    def _submit(self, key: str, prompt_ids: tuple[int, ...]) -> Future[SimSample]:
+    def _cap(self, limit: int | None) -> int:
+        return self.max_new_tokens if limit is None else max(1, min(limit, self.max_new_tokens))
+
+    def _serves(self, sample: SimSample, limit: int | None) -> bool:
+        """A finished answer serves every limit; a cut one only limits up to where it was cut."""
+        return sample.finished or len(sample.output_ids) >= self._cap(limit)
+
+    def _submit(self, key: str, prompt_ids: tuple[int, ...], limit: int | None = None) -> Future[SimSample]:
+        """A decode of `prompt_ids` up to the request's limit; a decode of the same key already running is shared
+        (a client retry), and the caller decodes again if that one was cut shorter than it needs."""
         with self._pending_lock:
             pending = self._pending.get(key)
             if pending is not None and not pending.cancelled():
-                return pending  # the same prompt asked again while it decodes (a client retry)
+                return pending
             future: Future[SimSample] = Future()
             self._pending[key] = future
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="model-backend", daemon=True)
                 self._worker.start()
-        self._queue.put(self._row(key, prompt_ids, future))
+        self._queue.put(self._row(key, prompt_ids, future, self._cap(limit)))
         return future
 
-    def _row(self, key: str, prompt_ids: tuple[int, ...], future: Future[SimSample]) -> _Row:
+    def _row(self, key: str, prompt_ids: tuple[int, ...], future: Future[SimSample], cap: int) -> _Row:
         cfg = self.config
         generator = torch.Generator().manual_seed(int(unit_hash(key, cfg.seed, "model-sampling") * 2**62))
-        row = _Row(key, prompt_ids, future, generator)
+        row = _Row(key, prompt_ids, future, generator, cap)
         if self.stop == "forced":
             shape = _rng(key, cfg.seed, "model-shape")
             n_reasoning = shape.randint(*cfg.reasoning_words)
@@ -248,6 +272,22 @@ class ModelResponder(Responder):
         mask = torch.cat([pad(mask_a, 1), pad(mask_b, 1)], dim=0)
         return past_a, mask, torch.cat([pos_a, pos_b]), torch.cat([logits_a, logits_b])
 
+    @staticmethod
+    def _crop(past: Any, mask: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Drop the leading cache columns no remaining row attends to (the rows that left were the oldest).
+
+        Without this a running batch only ever widens: every step adds a column and every joining row is padded
+        to the batch's width, so after a few hundred answers each step attended over thousands of padded
+        columns and decoding slowed to a fifth. Positions are explicit, so cropping padding changes no logit."""
+        used = mask.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else mask.shape[1]
+        if first == 0:
+            return past, mask
+        for layer in past.layers:
+            layer.keys = layer.keys[:, :, first:].contiguous()
+            layer.values = layer.values[:, :, first:].contiguous()
+        return past, mask[:, first:]
+
     def _waiting(self, room: int) -> list[_Row]:
         rows: list[_Row] = []
         while len(rows) < room:
@@ -284,6 +324,8 @@ class ModelResponder(Responder):
                     past.batch_select_indices(index.to(self.device))
                     mask, positions = mask[index], positions[index]
                     live = [live[b] for b in keep]
+                    if joinable:
+                        past, mask = self._crop(past, mask)
                 mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
                 positions = positions + 1
                 out = self.model(
@@ -330,7 +372,7 @@ class ModelResponder(Responder):
     def _ended(self, row: _Row, tokens: list[int], token: int) -> bool:
         if row.forced_length is not None:
             return len(tokens) >= row.forced_length
-        return token in self.stop_ids or len(tokens) >= self.max_new_tokens
+        return token in self.stop_ids or len(tokens) >= row.cap
 
     def _sample(self, row: _Row, tokens: list[int], logprobs: list[float]) -> SimSample:
         cfg = self.config

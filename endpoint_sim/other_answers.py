@@ -76,14 +76,22 @@ class OtherAnswersResponder(Responder):
     """For each prompt: a window of the corpus with as many tokens as `own`'s answer to the same prompt."""
 
     def __init__(
-        self, model_dir: Path | str, config: SimConfig, own: ModelResponder, corpus: str | None = None
+        self,
+        model_dir: Path | str,
+        config: SimConfig,
+        own: ModelResponder,
+        corpus: str | None = None,
+        limit: int | None = None,
     ) -> None:
+        """`limit`: the token limit the runs ask for (`sampling.max_tokens`), so `own`'s answers, decoded up to
+        that limit, serve as they are instead of being decoded again up to the backend's own cap."""
         super().__init__(model_dir, config)
         self.own = own
+        self.limit = limit
         self.corpus_ids = self._encode(corpus if corpus is not None else stdlib_prose())
 
     def _build(self, key: str, prompt_ids: tuple[int, ...]) -> SimSample:
-        own = self.own.sample(prompt_ids, None, key)
+        own = self.own.sample(prompt_ids, None, key, limit=self.limit)
         n = len(own.output_ids) - (1 if own.finished else 0)
         room = max(1, len(self.corpus_ids) - n)
         start = int(unit_hash(key, self.config.seed, "other-window") * room)

@@ -121,15 +121,16 @@ class ProviderPool(Responder):
         seed: int | None,
         key: str | None = None,
         routing: Mapping[str, Any] | None = None,
+        limit: int | None = None,
     ) -> SimSample:
         """`sample` for the server's event loop: a model-backed provider batches its forward passes off the loop
-        (`endpoint_sim.model_backend`), a seeded one answers at once."""
+        (`endpoint_sim.model_backend`) and decodes up to the request's `limit`, a seeded one answers at once."""
         key = key or self.key(prompt_ids, seed)
         provider = self.pick(key, routing)
         draw = getattr(provider.responder, "sample_async", None)
         if draw is None:
             return replace(provider.responder.sample(prompt_ids, seed, key), provider=provider.name)
-        sample = await draw(prompt_ids, seed, key)
+        sample = await draw(prompt_ids, seed, key, limit=limit)
         return replace(sample, provider=provider.name)
 
 

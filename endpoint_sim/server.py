@@ -319,7 +319,7 @@ async def _admit(
                 await asyncio.sleep(delay)
             return _failure_response(state, request, rule, attempt, len(prompt_ids))
     if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: batched, off the loop
-        sample = await state.responder.sample_async(*sample_args)  # type: ignore[attr-defined]
+        sample = await state.responder.sample_async(*sample_args, limit=limit)  # type: ignore[attr-defined]
     else:
         sample = state.responder.sample(*sample_args)
     ids, finish = _truncate(sample, limit)

@@ -194,3 +194,27 @@ def test_a_retry_gets_the_answer_a_client_gave_up_on(tiny_model_dir: Path) -> No
         reply = httpx.post(f"{sim.base_url}/generate", json=body, timeout=60)
     assert reply.status_code == 200
     assert reply.json()["output_ids"] == list(responder.sample(tuple(prompt), None).output_ids)
+
+
+def test_a_decode_stops_at_the_request_limit_and_a_higher_limit_decodes_again(tiny_model_dir: Path) -> None:
+    """The backend decodes up to the request's limit, not its own cap (64 asked of a 512-token cap cost 8x),
+    and a cut answer is not served to a request that allows more: that one is decoded again, same prefix."""
+    responder = ModelResponder(tiny_model_dir, SimConfig(), stop="model", max_new_tokens=48)
+    prompt = responder.prompt_ids_for_messages([{"role": "user", "content": "Count to ten."}])
+    decoded: list[int] = []
+    decode = responder._decode
+
+    def counting(rows: list[Any]) -> None:
+        decoded.extend(row.cap for row in rows)
+        decode(rows)
+
+    responder._decode = counting  # type: ignore[method-assign]
+    short = responder.sample(prompt, None, limit=8)
+    assert len(short.output_ids) <= 8 and decoded == [8]
+    assert responder.sample(prompt, None, limit=5) is short  # a lower limit is served from the cut answer
+    longer = responder.sample(prompt, None, limit=20)
+    assert decoded == [8, 20]
+    if not short.finished:
+        assert len(short.output_ids) == 8 and longer.output_ids[:8] == short.output_ids
+    uncapped = responder.sample(prompt, None)
+    assert decoded[-1] == 48 and uncapped.output_ids[: len(longer.output_ids)] == longer.output_ids
