@@ -11,7 +11,9 @@ Linux only (CPU time of the simulator is read from /proc). Everything listens on
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib.util
 import json
 import os
 import resource
@@ -86,6 +88,20 @@ def peak_rss_since_reset_mib() -> float:
     return _status_kib("VmHWM") / 1024
 
 
+def collector_settings(kind: str) -> contextlib.AbstractContextManager[Any]:
+    """generate's collector settings (`tasks.generate.collector`), this checkout's even in a baseline child whose
+    older `tasks/` predates the module, so every client runs under the same settings."""
+    if kind == "default":
+        return contextlib.nullcontext()
+    path = REPO / "tasks" / "generate" / "collector.py"
+    spec = importlib.util.spec_from_file_location("_bench_collector", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    settings: contextlib.AbstractContextManager[Any] = module.tuned_collector()
+    return settings
+
+
 class GcTimer:
     """Wall time spent in the cyclic garbage collector while active: with tens of thousands of live tasks,
     futures and buffers, full collections become a visible share of a client's CPU."""
@@ -93,14 +109,25 @@ class GcTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.collections = [0, 0, 0]
+        self.seconds_by_generation = [0.0, 0.0, 0.0]
         self._started = 0.0
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
         else:
-            self.seconds += time.perf_counter() - self._started
+            spent = time.perf_counter() - self._started
+            self.seconds += spent
             self.collections[info["generation"]] += 1
+            self.seconds_by_generation[info["generation"]] += spent
+
+    def report(self) -> dict[str, Any]:
+        """`gc_s`, and the collections and seconds of each generation (which one costs is what to tune)."""
+        return {
+            "gc_s": self.seconds,
+            "gc_collections": list(self.collections),
+            "gc_s_by_generation": [round(s, 3) for s in self.seconds_by_generation],
+        }
 
     def __enter__(self) -> GcTimer:
         gc.callbacks.append(self._callback)

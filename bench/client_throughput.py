@@ -30,9 +30,10 @@ round to round (raw, project, project, raw, ...) so linear drift of a shared mac
 Reported per C, as the mean over rounds: req/s, CPU seconds per 1,000 requests (client process, user +
 system), the share of that spent in the cyclic garbage collector (wall time inside collections), peak RSS
 during the measurement (and at its start), the simulator's CPU seconds, and failures (any failure makes the
-exit status non-zero). Both clients call `gc.freeze()` after their imports, as `generate_parts` does for the
-duration of a run, so full collections stop rescanning the ~230k objects that importing transformers leaves;
-`--no-gc-freeze` measures both without it. `--profile` adds one
+exit status non-zero). Both clients run under the garbage collector settings `generate_parts` uses for the
+duration of a run (`tasks.generate.collector`: the import heap frozen, so full collections stop rescanning the
+~230k objects that importing transformers leaves, and raised thresholds); `--collector default` measures both
+with CPython's defaults. `--profile` adds one
 cProfile run of each client at the first C and prints the top functions by own time to stderr (collector
 pauses are charged to whichever function happens to allocate, so read them next to the GC share).
 
@@ -47,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import gc
 import io
 import json
 import os
@@ -63,6 +63,7 @@ import aiohttp
 from _sim_process import (
     GcTimer,
     SimProcess,
+    collector_settings,
     emit,
     engine_row,
     log,
@@ -177,14 +178,12 @@ def child(args: argparse.Namespace) -> None:
         coro = raw_client(requests[0].url, [r.payload for r in requests], args.concurrency, args.requests)
     else:
         coro = project_client(args.base_url, args.model_dir, pool, args.concurrency, args.requests, args.journal)
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
-    start_rss = reset_peak_rss()
-    profiler = cProfile.Profile() if args.profile_child else None
-    if profiler is not None:
-        profiler.enable()
-    result = asyncio.run(coro)
+    with collector_settings(args.collector):
+        start_rss = reset_peak_rss()
+        profiler = cProfile.Profile() if args.profile_child else None
+        if profiler is not None:
+            profiler.enable()
+        result = asyncio.run(coro)
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()
@@ -228,8 +227,7 @@ def measure(
     ]
     if profile:
         cmd.append("--profile-child")
-    if args.gc_freeze:
-        cmd.append("--gc-freeze")
+    cmd += ["--collector", args.collector]
     if not args.journal:
         cmd.append("--no-journal")
     sim_cpu = sim.cpu_s()
@@ -283,12 +281,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: C = 200 and 400, 0.5 s latency, 1 round")
     parser.add_argument("--profile", action="store_true", help="add one cProfile run per client at the first C")
     parser.add_argument(
-        "--no-gc-freeze",
-        dest="gc_freeze",
-        action="store_false",
-        help="do not gc.freeze() the import heap in either client (generate_parts freezes it during a run)",
+        "--collector",
+        choices=("generate", "default"),
+        default="generate",
+        help="garbage collector settings of both clients: generate's (frozen import heap, raised thresholds: "
+        "tasks.generate.collector) or CPython's defaults",
     )
-    parser.add_argument("--gc-freeze", dest="gc_freeze", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--no-journal", dest="journal", action="store_false", help="project client without ledger and journal"
     )
@@ -364,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "failures": failures,
             "loadavg_1m_at_start": load_at_start,
-            "gc_freeze": args.gc_freeze,
+            "collector": args.collector,
             "journal": args.journal,
         }
     )

@@ -44,6 +44,11 @@ The SGLang `/generate` path (`endpoint.kind: sglang_generate`) is not streamed b
 Limits: every stream is one socket in the client and one in the server, so each process raises its soft
 RLIMIT_NOFILE to what N needs (capped by the hard limit: 10,000 streams need a hard limit above ~11,000).
 
+Both clients run under the garbage collector settings the generate stage uses for a window
+(`tasks.generate.collector`: the import heap frozen, thresholds raised, which at 10,000 streams removes ~20 full
+collections of 0.5-0.6 s each); `--collector default` measures both with CPython's defaults. The collections of
+each generation and the seconds spent in them are reported.
+
 `--baseline REF` adds a third client: the project client of another commit (its `tasks/` extracted from git into a
 scratch directory that comes first on the child's path), so a before/after comparison is measured side by side
 (the client before incremental assembly, 75d4d34, cannot join UTF-16 halves: run it with `--no-split-surrogates`).
@@ -60,7 +65,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import gc
 import io
 import json
 import math
@@ -87,6 +91,7 @@ from _sim_process import (  # noqa: E402
     HOST,
     REPO,
     GcTimer,
+    collector_settings,
     emit,
     engine_row,
     log,
@@ -172,7 +177,7 @@ async def raw_reader(url: str, payloads: list[bytes], concurrency: int) -> dict[
     errors = [r for r in results if r is not True]
     if errors:
         log(f"raw: {len(errors)} failed, first: {errors[0]!r}")
-    return {"wall_s": wall, "cpu_s": cpu, "gc_s": gc_time.seconds, "failures": len(errors), "ends": ends}
+    return {"wall_s": wall, "cpu_s": cpu, **gc_time.report(), "failures": len(errors), "ends": ends}
 
 
 async def project_client(
@@ -213,7 +218,7 @@ async def project_client(
     return {
         "wall_s": wall,
         "cpu_s": cpu,
-        "gc_s": gc_time.seconds,
+        **gc_time.report(),
         "failures": len(errors),
         "ends": ends,
         "journal_writer_cpu_s": sum(log_.cpu_s for log_ in logs),
@@ -234,13 +239,12 @@ def child(args: argparse.Namespace) -> None:
         coro = raw_reader(requests[0].url, payloads, args.streams)
     else:
         coro = project_client(args.base_url, args.model_dir, batch, timeout_s, args.journal)
-    gc.collect()
-    gc.freeze()
-    start_rss = reset_peak_rss()
-    profiler = cProfile.Profile() if args.profile_child else None
-    if profiler is not None:
-        profiler.enable()
-    result = asyncio.run(coro)
+    with collector_settings(args.collector):
+        start_rss = reset_peak_rss()
+        profiler = cProfile.Profile() if args.profile_child else None
+        if profiler is not None:
+            profiler.enable()
+        result = asyncio.run(coro)
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()
@@ -320,6 +324,7 @@ def measure(
         cmd.append("--profile-child")
     if not args.journal:
         cmd.append("--no-journal")
+    cmd += ["--collector", args.collector]
     env = dict(os.environ)
     env.pop(BASELINE_ENV, None)
     if kind == BASELINE_KIND:
@@ -356,7 +361,8 @@ def measure(
         result["journal_cpu_s_per_1k_events"] = 1000 * result["journal_writer_cpu_s"] / events
     log(
         f"  N={n:>6} {kind:<8}: {result['events_per_s']:9.0f} events/s  wall {result['wall_s']:6.1f} s  "
-        f"CPU {result['cpu_s_per_1k_events']:.4f} s/1k events (GC {100 * result['gc_share_of_cpu']:.0f}%)  "
+        f"CPU {result['cpu_s_per_1k_events']:.4f} s/1k events (GC {100 * result['gc_share_of_cpu']:.0f}%, "
+        f"collections {result['gc_collections']}, s {result['gc_s_by_generation']})  "
         f"peak RSS {result['peak_rss_mib']:.0f} MiB (from {result['start_rss_mib']:.0f})  "
         f"lag max {result['max_lag_s']:.3f} s p99 {result['p99_lag_s']:.3f} s  behind {result['streams_behind']}  "
         f"server CPU {result['server_cpu_s']:.1f} s, late {result['server_max_tick_late_s']:.3f} s  "
@@ -445,6 +451,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-journal", dest="journal", action="store_false", help="project client without ledger and journal"
     )
+    parser.add_argument(
+        "--collector",
+        choices=("generate", "default"),
+        default="generate",
+        help="garbage collector settings of both clients: generate's (frozen import heap, raised thresholds: "
+        "tasks.generate.collector) or CPython's defaults",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: N = 200, 20-second answers of 500-3,000")
     parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
@@ -527,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "baseline": args.baseline,
             "journal": args.journal,
+            "collector": args.collector,
             "cpus": os.cpu_count(),
             "loadavg_1m_at_start": load_at_start,
         }

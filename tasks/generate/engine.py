@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import shutil
 import time
 from collections import Counter
@@ -57,6 +56,7 @@ from tasks.generate.chunks import (
     read_chunk,
 )
 from tasks.generate.client import AttemptTag, Budget, EndpointClient, SampleOutcome
+from tasks.generate.collector import tuned_collector
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
 from tasks.generate.journal import AppendLog
 from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
@@ -640,22 +640,6 @@ async def _next_finished(queue: asyncio.Queue[T], timeout_s: float | None) -> li
     return batch
 
 
-@contextlib.contextmanager
-def _frozen_heap() -> Iterator[None]:
-    """Exempt what is already allocated (torch, transformers: ~230k objects) from garbage collection while the
-    window runs: otherwise full collections re-scan it all and took 50-60% of the client's CPU in
-    bench/client_throughput.py. Objects created during the run are collected as usual.
-
-    Only the young generations are collected first: a full collection of that heap costs 0.2-0.5 s on every
-    call, and old garbage frozen with it is only held until `unfreeze` hands it back to the collector."""
-    gc.collect(1)
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def _run_blocking(coro: Coroutine[Any, Any, _Run]) -> _Run:
     """`asyncio.run`, or the same on a worker thread when the caller already runs an event loop."""
     try:
@@ -744,7 +728,7 @@ def _generate_locked(
         if pending:
             journal = AppendLog(journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s)
         try:
-            with _frozen_heap():
+            with tuned_collector():
                 run = _run_blocking(
                     _generate_async(cfg, pending, markers, tokenizer, listeners, journal, writer, ledger, on_commit)
                 )
