@@ -15,13 +15,15 @@
    `Eagle3DraftModel.from_pretrained`.
 
 Resumable: speculators' checkpointer resumes from `<out>/checkpoints/<epoch>` (mid-epoch too); a finished
-summary whose options match is returned as is.
+summary whose options match is returned as is. A change of an option that defines the drafter's shape or
+its data split (`RESTART_FIELDS`) starts over instead of resuming another model's checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +40,9 @@ SPECULATORS_VERSION = "0.9.0"
 SUMMARY_NAME = "train_summary.json"
 EXPORT_DIR = "export"
 CHECKPOINT_DIR = "checkpoints"
+OPTIONS_NAME = "train_options.json"
+RESTART_FIELDS = ("draft_vocab_size", "num_layers", "val_fraction", "seed", "verifier_path")
+"""Options whose change makes the existing export or checkpoints another model's (`discard_incompatible`)."""
 
 
 class TrainError(ConfigError):
@@ -242,6 +247,31 @@ def epochs_for_steps(export_dir: Path, o: TrainOptions, train_data_ratio: float)
     return epochs
 
 
+def discard_incompatible(out: Path, opts: TrainOptions) -> list[str]:
+    """The fields of `RESTART_FIELDS` that differ from what `out` was trained with; when any does, its export,
+    checkpoints and summary are removed first. speculators' checkpointer would otherwise resume a drafter of
+    another shape (a different draft vocabulary) or one trained on another split, and the export would keep the
+    old split; changing the epochs, steps or learning rate still resumes."""
+    recorded: dict[str, Any] | None = None
+    for path in (out / OPTIONS_NAME, out / SUMMARY_NAME):
+        if path.is_file():
+            data = json.loads(path.read_text())
+            recorded = data.get("options", data) if path.name == SUMMARY_NAME else data
+            break
+    if recorded is None:
+        return []
+    now = _jsonable(asdict(opts))
+    changed = [k for k in RESTART_FIELDS if recorded.get(k) != now.get(k)]
+    if changed:
+        logging.getLogger(__name__).warning(
+            "%s was trained with other %s: starting over (export and checkpoints removed)", out, ", ".join(changed)
+        )
+        for name in (EXPORT_DIR, CHECKPOINT_DIR):
+            shutil.rmtree(out / name, ignore_errors=True)
+        (out / SUMMARY_NAME).unlink(missing_ok=True)
+    return changed
+
+
 def _scalars(record: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items() if isinstance(v, int | float)}
 
@@ -259,6 +289,8 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
         if previous.get("options") == _jsonable(asdict(opts)) and Path(previous["checkpoint"]).is_dir():
             previous["resumed"] = "finished"
             return previous
+    restarted = discard_incompatible(out, opts)
+    atomic_write_text(out / OPTIONS_NAME, json.dumps(_jsonable(asdict(opts)), indent=2))
     started = time.monotonic()
     verifier, _ = resolve_verifier(run_dir, opts)
     export_stats = export_run(
@@ -295,6 +327,7 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
         "options": _jsonable(asdict(opts)),
         "export": {k: export_stats[k] for k in ("samples", "validation_samples", "parts", "bytes_written", "wall_s")},
         "resumed_from_checkpoints": resumed_from,
+        "discarded_for_changed_options": restarted,
         "epochs_run": epochs,
         "steps": len(metrics.train),
         "train_tokens": metrics.tokens,
