@@ -44,10 +44,12 @@ The SGLang `/generate` path (`endpoint.kind: sglang_generate`) is not streamed b
 Limits: every stream is one socket in the client and one in the server, so each process raises its soft
 RLIMIT_NOFILE to what N needs (capped by the hard limit: 10,000 streams need a hard limit above ~11,000).
 
-Both clients run under the garbage collector settings the generate stage uses for a window
+The project client runs under the garbage collector settings the generate stage uses for a window
 (`tasks.generate.collector`: the import heap frozen, thresholds raised, which at 10,000 streams removes ~20 full
-collections of 0.5-0.6 s each); `--collector default` measures both with CPython's defaults. The collections of
-each generation and the seconds spent in them are reported.
+collections of 0.5-0.6 s each, pauses that put streams behind); the raw reader under CPython's defaults, as a
+plain aiohttp reader runs. `--raw-collector generate` gives the raw reader the same settings (the stricter
+comparison of code alone), `--collector default` takes them from the project client. The collections of each
+generation and the seconds spent in them are reported.
 
 `--baseline REF` adds a third client: the project client of another commit (its `tasks/` extracted from git into a
 scratch directory that comes first on the child's path), so a before/after comparison is measured side by side
@@ -324,7 +326,7 @@ def measure(
         cmd.append("--profile-child")
     if not args.journal:
         cmd.append("--no-journal")
-    cmd += ["--collector", args.collector]
+    cmd += ["--collector", args.raw_collector if kind == "raw" else args.collector]
     env = dict(os.environ)
     env.pop(BASELINE_ENV, None)
     if kind == BASELINE_KIND:
@@ -455,8 +457,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--collector",
         choices=("generate", "default"),
         default="generate",
-        help="garbage collector settings of both clients: generate's (frozen import heap, raised thresholds: "
-        "tasks.generate.collector) or CPython's defaults",
+        help="the project client's garbage collector settings: generate's (frozen import heap, raised "
+        "thresholds: tasks.generate.collector) or CPython's defaults",
+    )
+    parser.add_argument(
+        "--raw-collector",
+        choices=("generate", "default"),
+        default="default",
+        help="the raw reader's: CPython's defaults (a plain aiohttp reader), or generate's for a comparison "
+        "under the same settings",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: N = 200, 20-second answers of 500-3,000")
     parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
@@ -540,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "baseline": args.baseline,
             "journal": args.journal,
-            "collector": args.collector,
+            "collector": {"project": args.collector, "raw": args.raw_collector},
             "cpus": os.cpu_count(),
             "loadavg_1m_at_start": load_at_start,
         }
