@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+PROFILE_TOP = 30
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -305,3 +306,26 @@ def engine_row(sample_id: str, outcome: Any) -> dict[str, Any]:
     failed = outcome.result is None or outcome.reason is not None
     row.update(status="failed" if failed else "done", failure_reason=outcome.reason)
     return row
+
+
+def run_measured(coro: Any, collector: str, profile: bool, title: str) -> tuple[dict[str, Any], float]:
+    """One client's measurement under `collector`'s settings (`collector_settings`): its result and the RSS at its
+    start; with `profile`, the top functions by own time go to stderr."""
+    import asyncio
+    import cProfile
+    import io
+    import pstats
+
+    with collector_settings(collector):
+        start_rss = reset_peak_rss()
+        profiler = cProfile.Profile() if profile else None
+        if profiler is not None:
+            profiler.enable()
+        result: dict[str, Any] = asyncio.run(coro)
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_TOP)
+        log(f"--- cProfile of {title} ---")
+        log(text.getvalue())
+    return result, start_rss

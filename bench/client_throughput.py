@@ -47,11 +47,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import tempfile
@@ -63,15 +60,14 @@ import aiohttp
 from _sim_process import (
     GcTimer,
     SimProcess,
-    collector_settings,
     emit,
     engine_row,
     log,
     peak_rss_since_reset_mib,
     pipeline_config,
     raise_open_files,
-    reset_peak_rss,
     run_child,
+    run_measured,
     self_cpu_s,
     self_peak_rss_mib,
     tokenizer_dir,
@@ -87,7 +83,6 @@ from tasks.generate.ledger import LedgerWriter
 SCRIPT = Path(__file__).resolve()
 KINDS = ("raw", "project")
 MARKERS = CompletionMarkers(reasoning_close=REASONING_CLOSE, end_of_turn="<｜end▁of▁sentence｜>")
-PROFILE_TOP = 30
 
 
 def prompt_pool(size: int) -> list[list[Message]]:
@@ -178,18 +173,9 @@ def child(args: argparse.Namespace) -> None:
         coro = raw_client(requests[0].url, [r.payload for r in requests], args.concurrency, args.requests)
     else:
         coro = project_client(args.base_url, args.model_dir, pool, args.concurrency, args.requests, args.journal)
-    with collector_settings(args.collector):
-        start_rss = reset_peak_rss()
-        profiler = cProfile.Profile() if args.profile_child else None
-        if profiler is not None:
-            profiler.enable()
-        result = asyncio.run(coro)
-    if profiler is not None:
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_TOP)
-        log(f"--- cProfile of {args.child} client, C={args.concurrency}, {args.requests} requests ---")
-        log(text.getvalue())
+    result, start_rss = run_measured(
+        coro, args.collector, args.profile_child, f"{args.child} client, C={args.concurrency}, {args.requests} requests"
+    )
     result.update(
         kind=args.child,
         requests=args.requests,

@@ -66,12 +66,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import io
 import json
 import math
 import os
-import pstats
 import statistics
 import subprocess
 import sys
@@ -93,7 +91,6 @@ from _sim_process import (  # noqa: E402
     HOST,
     REPO,
     GcTimer,
-    collector_settings,
     emit,
     engine_row,
     log,
@@ -101,7 +98,7 @@ from _sim_process import (  # noqa: E402
     pipeline_config,
     process_cpu_s,
     raise_open_files,
-    reset_peak_rss,
+    run_measured,
     self_cpu_s,
     self_peak_rss_mib,
     tokenizer_dir,
@@ -118,7 +115,6 @@ SCRIPT = Path(__file__).resolve()
 KINDS = ("raw", "project")
 BASELINE_KIND = "baseline"
 MARKERS = CompletionMarkers(reasoning_close="</think>", end_of_turn="")
-PROFILE_TOP = 30
 START_TIMEOUT_S = 60.0
 
 
@@ -241,18 +237,9 @@ def child(args: argparse.Namespace) -> None:
         coro = raw_reader(requests[0].url, payloads, args.streams)
     else:
         coro = project_client(args.base_url, args.model_dir, batch, timeout_s, args.journal)
-    with collector_settings(args.collector):
-        start_rss = reset_peak_rss()
-        profiler = cProfile.Profile() if args.profile_child else None
-        if profiler is not None:
-            profiler.enable()
-        result = asyncio.run(coro)
-    if profiler is not None:
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(PROFILE_TOP)
-        log(f"--- cProfile of the {args.child} client, N={args.streams} ---")
-        log(text.getvalue())
+    result, start_rss = run_measured(
+        coro, args.collector, args.profile_child, f"the {args.child} client, N={args.streams}"
+    )
     result.update(
         kind=args.child,
         tasks_from=str(Path(tasks.__file__).resolve().parent),
