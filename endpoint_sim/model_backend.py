@@ -277,8 +277,9 @@ class ModelResponder(Responder):
         """Drop the leading cache columns no remaining row attends to (the rows that left were the oldest).
 
         Without this a running batch only ever widens: every step adds a column and every joining row is padded
-        to the batch's width, so after a few hundred answers each step attended over thousands of padded
-        columns and decoding slowed to a fifth. Positions are explicit, so cropping padding changes no logit."""
+        to the batch's width, so each step attends over more padded columns the longer the batch runs (96 queued
+        SmolLM2 prompts of 64 tokens decoded 10% faster with the crop, to identical ids). Positions are explicit,
+        so cropping padding changes no logit."""
         used = mask.any(dim=0).nonzero()
         first = int(used[0]) if len(used) else mask.shape[1]
         if first == 0:

@@ -10,13 +10,13 @@ Two costs, both measured with bench/client_throughput.py and bench/stream_throug
   CPython's default thresholds (700, 10, 10) promote to the old generation and rescan: ~20 full collections of
   0.5-0.6 s each in a 90-second window, pauses during which no stream is read, so streams fell behind the server
   (798 of 10,000 by more than 1 s). A young threshold of 50,000 lets the per-event objects die before a
-  collection sees them (22 young collections instead of ~2,700, at a few ms each rather than ~1 ms each for 40x
-  fewer objects); a young threshold of 10,000 still ran two full collections and left 138 streams behind.
+  collection sees them (22 young collections of ~20 ms instead of ~2,700 of ~1 ms, 0.5 s in all instead of
+  2.4 s); a young threshold of 10,000 still ran two full collections and left 138 streams behind.
 
 The old generation is still collected: `OLD_THRESHOLD` middle collections (each after `MIDDLE_THRESHOLD` young
 ones), and CPython's own rule that a full collection waits until a quarter of the old generation is new. That is
-what frees a finished stream's cyclic garbage (~21 KB a stream: peak RSS 979 MiB against 768 MiB at 10,000
-streams with CPython's defaults). At ~0.2 new container objects per event that is a full collection every ~50M
+what frees a finished stream's cyclic garbage (~21-24 KB a stream: peak RSS 979-1,041 MiB against 768 MiB at
+10,000 streams with CPython's defaults). At ~0.2 new container objects per event that is a full collection every ~50M
 events, minutes at production rates, so garbage cannot pile up for the length of a run.
 
 The settings are process-wide, so concurrent windows in one process (Prefect's thread runner) share them: the
