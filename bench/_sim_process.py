@@ -94,21 +94,34 @@ def peak_rss_since_reset_mib() -> float:
 
 
 def collector_settings(kind: str) -> contextlib.AbstractContextManager[Any]:
-    """`generate`: the generate stage's collector settings (`tasks.generate.collector`), this checkout's even in a
-    baseline child whose older `tasks/` predates the module. `default`: CPython's thresholds, with only the import
-    heap frozen: every client imports the project's modules (torch among them), which a plain reader would not
-    carry, so no client pays for rescanning them."""
+    """`generate`: the generate window's memory settings, this checkout's even in a baseline child whose older
+    `tasks/` predates them: the collector's (`tasks.generate.collector`) and the heap trimming thread's
+    (`tasks.generate.heap_trim`). `default`: CPython's thresholds and no trimming, with only the import heap
+    frozen: every client imports the project's modules (torch among them), which a plain reader would not carry,
+    so no client pays for rescanning them."""
     if kind == "default":
         gc.collect()
         gc.freeze()
         return contextlib.nullcontext()
-    path = REPO / "tasks" / "generate" / "collector.py"
-    spec = importlib.util.spec_from_file_location("_bench_collector", path)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_checkout_module("collector").tuned_collector())
+    stack.enter_context(_checkout_module("heap_trim").trimmed_heap())
+    return stack
+
+
+_LOADED: dict[str, Any] = {}
+
+
+def _checkout_module(name: str) -> Any:
+    """`tasks/generate/<name>.py` of this checkout, loaded from its file (once)."""
+    if name in _LOADED:
+        return _LOADED[name]
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO / "tasks" / "generate" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    settings: contextlib.AbstractContextManager[Any] = module.tuned_collector()
-    return settings
+    _LOADED[name] = module
+    return module
 
 
 class GcTimer:
@@ -322,6 +335,8 @@ def run_measured(coro: Any, collector: str, profile: bool, title: str) -> tuple[
         if profiler is not None:
             profiler.enable()
         result: dict[str, Any] = asyncio.run(coro)
+    trim = _LOADED.get("heap_trim")
+    result.update(heap_trims=trim.TrimStats.calls if trim else 0, heap_trim_s=trim.TrimStats.seconds if trim else 0.0)
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()

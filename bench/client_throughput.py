@@ -32,10 +32,10 @@ system), the share of that spent in the cyclic garbage collector (wall time insi
 during the measurement (and at its start), the simulator's CPU seconds, and failures (any failure makes the
 exit status non-zero). Both clients run under the garbage collector settings `generate_parts` uses for the
 duration of a run (`tasks.generate.collector`: the import heap frozen, so full collections stop rescanning the
-~230k objects that importing transformers leaves, and raised thresholds); `--collector default` measures both
-with CPython's defaults. `--profile` adds one
-cProfile run of each client at the first C and prints the top functions by own time to stderr (collector
-pauses are charged to whichever function happens to allocate, so read them next to the GC share).
+~230k objects that importing transformers leaves, and raised thresholds; `tasks.generate.heap_trim`: the C heap's
+free pages given back every second); `--collector default` measures both with CPython's defaults and no trimming.
+`--profile` adds one cProfile run of each client at the first C and prints the top functions by own time to
+stderr (collector pauses are charged to whichever function happens to allocate, so read them next to the GC share).
 
     python bench/client_throughput.py                 # C = 2,000 and 4,000, 2 rounds (a few minutes)
     python bench/client_throughput.py --quick         # smoke run, seconds
@@ -270,8 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--collector",
         choices=("generate", "default"),
         default="generate",
-        help="garbage collector settings of both clients: generate's (frozen import heap, raised thresholds: "
-        "tasks.generate.collector) or CPython's defaults",
+        help="memory settings of both clients: generate's (frozen import heap, raised thresholds, heap trimming: "
+        "tasks.generate.collector, tasks.generate.heap_trim) or CPython's defaults",
     )
     parser.add_argument(
         "--no-journal", dest="journal", action="store_false", help="project client without ledger and journal"

@@ -58,6 +58,7 @@ from tasks.generate.chunks import (
 from tasks.generate.client import AttemptTag, Budget, EndpointClient, SampleOutcome
 from tasks.generate.collector import tuned_collector
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
+from tasks.generate.heap_trim import trimmed_heap
 from tasks.generate.journal import AppendLog
 from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
 from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
@@ -728,7 +729,7 @@ def _generate_locked(
         if pending:
             journal = AppendLog(journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s)
         try:
-            with tuned_collector():
+            with tuned_collector(), trimmed_heap():
                 run = _run_blocking(
                     _generate_async(cfg, pending, markers, tokenizer, listeners, journal, writer, ledger, on_commit)
                 )

@@ -1,0 +1,75 @@
+"""The generate window's heap trimming: free pages inside the C heap go back to the system, one thread for
+overlapping windows, stopped by the last to leave."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tasks.generate import heap_trim
+from tasks.generate.heap_trim import trim_now, trimmed_heap, trimming
+
+pytestmark = pytest.mark.skipif(not heap_trim.available(), reason="needs glibc's malloc_trim")
+
+PAGE = 4096
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
+
+
+def fragmented_heap(mib: int) -> list[bytes]:
+    """`mib` MiB of 64 KiB blocks (below glibc's mmap threshold, so on the heap) each followed by a small block
+    that stays alive, then the big ones freed: the heap keeps its size, full of free holes glibc does not return
+    on its own (only free space at the heap's top is)."""
+    keep: list[bytes] = []
+    big: list[bytes] = []
+    for i in range(mib * 16):
+        big.append(bytes(64 * 1024 - 64) + i.to_bytes(4, "little"))
+        keep.append(bytes(1024) + i.to_bytes(4, "little"))
+    del big
+    return keep
+
+
+def test_a_trim_gives_back_the_free_pages_inside_the_heap() -> None:
+    trim_now()
+    keep = fragmented_heap(128)
+    before = rss_bytes()
+    assert trim_now()
+    released = before - rss_bytes()
+    assert released > 64 * 1024 * 1024, f"a trim gave back {released / 2**20:.1f} MiB of a 128 MiB hole"
+    assert len(keep) == 128 * 16
+
+
+def test_the_window_trims_every_interval_and_stops_after_the_last_leaves() -> None:
+    calls = heap_trim.TrimStats.calls
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        with trimmed_heap(interval_s=0.01):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_in.wait(10)
+    with trimmed_heap(interval_s=0.01):
+        second_in.set()
+        first_out.wait(10)
+        seen["after_first_left"] = trimming()
+        keep = fragmented_heap(32)
+        before = rss_bytes()
+        for _ in range(500):
+            if before - rss_bytes() > 16 * 1024 * 1024:
+                break
+            threading.Event().wait(0.01)
+        seen["released"] = before - rss_bytes() > 16 * 1024 * 1024
+    thread.join(10)
+    assert seen == {"after_first_left": True, "released": True}
+    assert not trimming()
+    assert heap_trim.TrimStats.calls > calls + 1
+    assert len(keep) == 32 * 16
