@@ -113,9 +113,12 @@ _LOADED: dict[str, Any] = {}
 
 
 def _checkout_module(name: str) -> Any:
-    """`tasks/generate/<name>.py` of this checkout, loaded from its file (once)."""
+    """`tasks/generate/<name>.py` of this checkout, loaded from its file (once). A baseline child's older `tasks/`
+    may lack `shared_setting`, which both settings modules import: this checkout's is put in its place."""
     if name in _LOADED:
         return _LOADED[name]
+    if name != "shared_setting" and importlib.util.find_spec("tasks.generate.shared_setting") is None:
+        sys.modules["tasks.generate.shared_setting"] = _checkout_module("shared_setting")
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO / "tasks" / "generate" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

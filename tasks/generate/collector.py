@@ -25,37 +25,33 @@ first to enter applies them, the last to leave restores what was there before.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import threading
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
+
+from tasks.generate.shared_setting import SharedSetting
 
 YOUNG_THRESHOLD = 50_000
 MIDDLE_THRESHOLD = 20
 OLD_THRESHOLD = 10
 
-_lock = threading.Lock()
-_active = 0
+_shared = SharedSetting()
 _previous: tuple[int, int, int] | None = None
 
 
-@contextlib.contextmanager
-def tuned_collector() -> Iterator[None]:
+def _apply() -> None:
+    global _previous
+    _previous = gc.get_threshold()
+    gc.collect(1)
+    gc.freeze()
+    gc.set_threshold(YOUNG_THRESHOLD, MIDDLE_THRESHOLD, OLD_THRESHOLD)
+
+
+def _undo() -> None:
+    if _previous is not None:
+        gc.set_threshold(*_previous)
+    gc.unfreeze()
+
+
+def tuned_collector() -> AbstractContextManager[None]:
     """Freeze the heap allocated so far and raise the collection thresholds until the last window leaves."""
-    global _active, _previous
-    with _lock:
-        if _active == 0:
-            _previous = gc.get_threshold()
-            gc.collect(1)
-            gc.freeze()
-            gc.set_threshold(YOUNG_THRESHOLD, MIDDLE_THRESHOLD, OLD_THRESHOLD)
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                if _previous is not None:
-                    gc.set_threshold(*_previous)
-                gc.unfreeze()
+    return _shared.held(_apply, _undo)

@@ -9,7 +9,8 @@ whole free pages inside the heap too (madvise), whatever their place.
 
 Measured with `bench/stream_throughput.py` (10,000 streams of 2,000-3,000 tokens over 90 s, idle cores): the
 project client's peak RSS 1,177 MiB without (457 of it imports), 757 MiB with a trim every second (417 imports);
-94 trims took 0.99 s of the 94.5 s window. A call takes ~1-10 ms; it runs in its own thread and ctypes releases
+94 trims took 0.99 s of the 94.5 s window. At the benchmark's default shape (2,000-30,000 tokens over 600 s) the
+peak was 976 MiB (412 imports), 599 trims 4.2 s. A call takes ~1-10 ms; it runs in its own thread and ctypes releases
 the GIL, so the event loop only waits when it allocates during one.
 
 Not glibc (musl, macOS): `malloc_trim` is missing and this does nothing. Process-wide, like the collector
@@ -18,16 +19,17 @@ settings, so overlapping windows in one process share one trimming thread; the l
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from tasks.generate.shared_setting import SharedSetting
 
 TRIM_INTERVAL_S = 1.0
 
-_lock = threading.Lock()
-_active = 0
+_shared = SharedSetting()
 _stop: threading.Event | None = None
 _thread: threading.Thread | None = None
 
@@ -74,26 +76,28 @@ def _trim_every(interval_s: float, stop: threading.Event) -> None:
         trim_now()
 
 
-@contextlib.contextmanager
-def trimmed_heap(interval_s: float = TRIM_INTERVAL_S) -> Iterator[None]:
+def trimmed_heap(interval_s: float = TRIM_INTERVAL_S) -> AbstractContextManager[None]:
     """A thread trims the heap every `interval_s` until the last overlapping window leaves, and once more then."""
-    global _active, _stop, _thread
-    with _lock:
-        if _active == 0 and _malloc_trim is not None:
-            _stop = threading.Event()
-            _thread = threading.Thread(target=_trim_every, args=(interval_s, _stop), name="heap-trim", daemon=True)
-            _thread.start()
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0 and _thread is not None and _stop is not None:
-                _stop.set()
-                _thread.join()
-                _thread, _stop = None, None
-                trim_now()
+    return _shared.held(lambda: _start(interval_s), _finish)
+
+
+def _start(interval_s: float) -> None:
+    global _stop, _thread
+    if _malloc_trim is None:
+        return
+    _stop = threading.Event()
+    _thread = threading.Thread(target=_trim_every, args=(interval_s, _stop), name="heap-trim", daemon=True)
+    _thread.start()
+
+
+def _finish() -> None:
+    global _stop, _thread
+    if _thread is None or _stop is None:
+        return
+    _stop.set()
+    _thread.join()
+    _thread, _stop = None, None
+    trim_now()
 
 
 def trimming() -> bool:
