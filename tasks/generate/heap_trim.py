@@ -43,7 +43,7 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
         return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
-    return trim  # type: ignore[no-any-return]
+    return trim
 
 
 _malloc_trim = _load_malloc_trim()
