@@ -26,7 +26,9 @@ def test_nested_windows_restore_only_when_the_outer_leaves() -> None:
         with tuned_collector():
             pass
         assert gc.get_threshold()[0] == collector.YOUNG_THRESHOLD
+        assert gc.get_freeze_count() > 0
     assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
 
 
 def test_an_exception_inside_still_restores() -> None:

@@ -24,13 +24,13 @@ def test_overlapping_windows_keep_the_setting_until_the_last_leaves() -> None:
     thread = threading.Thread(target=first)
     thread.start()
     first_in.wait(10)
-    with shared.held(lambda: log.append("apply again"), lambda: log.append("undo early")):
+    with shared.held(lambda: log.append("apply again"), lambda: log.append("undo by the last to leave")):
         second_in.set()
         first_out.wait(10)
         seen_after_first_left = (list(log), shared.holders)
     thread.join(10)
     assert seen_after_first_left == (["apply"], 1)
-    assert log == ["apply", "undo early"]
+    assert log == ["apply", "undo by the last to leave"]
     assert shared.holders == 0
 
 
