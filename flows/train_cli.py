@@ -45,6 +45,12 @@ def add_train_commands(sub: Any) -> None:
     train.add_argument("--draft-vocab-size", type=int, default=32000, help="0 = the target's full vocabulary")
     train.add_argument("--val-fraction", type=float, default=0.05, help="share of prompts held out (by hash)")
     train.add_argument("--seed", type=int, default=0, help="seed for the drafter's initialisation and data order")
+    train.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="autocast dtype of the training step (default: bfloat16 on an accelerator or a CPU with bf16 "
+        "instructions, float32 on other CPUs)",
+    )
     train.add_argument("--no-evaluate", action="store_true", help="skip the acceptance evaluation afterwards")
     train.add_argument("--no-prefect", action="store_true", help="plain calls, no Prefect flow or artifacts")
     train.set_defaults(func=_user_errors(cmd_train))
@@ -97,6 +103,7 @@ def train_options(args: argparse.Namespace) -> Any:
         val_fraction=args.val_fraction,
         seed=args.seed,
         verifier_path=args.verifier,
+        hidden_states_dtype=args.dtype,
     )
 
 

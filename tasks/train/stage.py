@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from unittest import mock
 
 from tasks.common.errors import ConfigError
 from tasks.common.shards import atomic_write_text, done_parts, read_provenance
-from tasks.train.cpu_shim import accelerator_available, cpu_trainer
+from tasks.train.cpu_shim import accelerator_available, cpu_train_dtype, cpu_trainer
 
 SPECULATORS_VERSION = "0.9.0"
 SUMMARY_NAME = "train_summary.json"
@@ -65,19 +66,23 @@ class TrainOptions:
     draft_vocab_size: int | None = 32000
     draft_attn_impl: str | None = None
     loss_implementation: str | None = None
+    hidden_states_dtype: str | None = None
+    """the trainer's autocast dtype; None: speculators' bf16 with an accelerator, `cpu_train_dtype()` on CPU"""
     checkpoint_freq: float = 1.0
     verifier_path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def for_device(self) -> TrainOptions:
-        """CPU: `sdpa` attention (FlexAttention has no CPU backward) and the `eager` loss (the fused one is Triton);
-        with an accelerator speculators' defaults (flex attention, fused loss)."""
+        """CPU: `sdpa` attention (FlexAttention has no CPU backward), the `eager` loss (the fused one is Triton) and
+        bf16 autocast only where the CPU has bf16 instructions; with an accelerator speculators' defaults (flex
+        attention, fused loss, bf16)."""
         gpu = accelerator_available()
         return TrainOptions(
             **{
                 **asdict(self),
                 "draft_attn_impl": self.draft_attn_impl or ("simple_flex_attention" if gpu else "sdpa"),
                 "loss_implementation": self.loss_implementation or ("fused" if gpu else "eager"),
+                "hidden_states_dtype": self.hidden_states_dtype or (None if gpu else cpu_train_dtype()),
             }
         )
 
@@ -159,6 +164,7 @@ def build_train_config(
         "num_workers": 0,
         "on_missing": "raise",
         "loss_implementation": o.loss_implementation,
+        "hidden_states_dtype": o.hidden_states_dtype,
         "ttt_steps": o.ttt_steps,
         "lr": o.lr,
         "epochs": o.epochs,
@@ -184,6 +190,8 @@ class MetricRecords(logging.Handler):
         self.val: list[dict[str, Any]] = []
         self.tokens = 0
         """non-padding tokens trained on (the trainer's profile: tokens_per_s x step_ms per logged step)"""
+        self.step_ms: list[float] = []
+        """the trainer's profile of each logged step: wall milliseconds from fetch to optimizer step"""
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.msg
@@ -194,6 +202,7 @@ class MetricRecords(logging.Handler):
             profile = msg.get("profile") or {}
             if profile.get("tokens_per_s") and profile.get("step_ms"):
                 self.tokens += round(profile["tokens_per_s"] * profile["step_ms"] / 1000)
+                self.step_ms.append(float(profile["step_ms"]))
         if "val" in msg:
             self.val.append({"epoch": msg.get("epoch"), **msg["val"]})
 
@@ -331,6 +340,7 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
         "epochs_run": epochs,
         "steps": len(metrics.train),
         "train_tokens": metrics.tokens,
+        "step_ms_median": round(statistics.median(metrics.step_ms), 1) if metrics.step_ms else None,
         "train_metrics": [_scalars(r) for r in metrics.train],
         "val_metrics": [_scalars(r) for r in metrics.val],
         "export_s": round(export_s, 3),
