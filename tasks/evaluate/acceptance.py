@@ -215,8 +215,18 @@ class Target:
 
     @classmethod
     def load(cls, model_dir: Path | str, layers: Sequence[int] | None, dtype: str = "bfloat16") -> Target:
-        runner = HFHiddenStateRunner.load(Path(model_dir), layers=layers, dtype=dtype, device="cpu")
-        return cls(runner._model, runner)
+        """The process keeps the last target it loaded, with its decodes: evaluations of two drafters of one target
+        (the real-model demo's two arms) walk the same greedy decodes, so the second does not decode again. The key
+        includes the weights' sizes and mtimes, so a rebuilt model directory is loaded afresh."""
+        path = Path(model_dir).resolve()
+        key = (str(path), tuple(layers) if layers is not None else None, dtype, _files_stamp(path))
+        kept = _LOADED.get(key)
+        if kept is None:
+            runner = HFHiddenStateRunner.load(path, layers=layers, dtype=dtype, device="cpu")
+            kept = cls(runner._model, runner)
+            _LOADED.clear()
+            _LOADED[key] = kept
+        return kept
 
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
@@ -251,6 +261,17 @@ class Target:
         if key not in self._aux:
             self._aux[key] = self.runner.run_batch([list(ids)], [0]).aux
         return self._aux[key]
+
+
+_LOADED: dict[tuple[Any, ...], Target] = {}
+
+
+def _files_stamp(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
+    if not model_dir.is_dir():
+        return ()
+    return tuple(
+        (p.name, st.st_size, st.st_mtime_ns) for p in sorted(model_dir.iterdir()) if p.is_file() for st in [p.stat()]
+    )
 
 
 def acceptance_walk(

@@ -33,7 +33,7 @@ from tasks.train.stage import EXPORT_DIR, SUMMARY_NAME, TrainError, hidden_state
 
 EVALUATION_NAME = "evaluation.json"
 TOLERANCE = 0.03
-"""Absolute tolerance between the trainer's `full_acc_k_epoch` and ours: the trainer runs its forward under bf16
+"""Absolute tolerance between the trainer's `full_acc_k_epoch` and ours: the trainer may run its forward under bf16
 autocast and computes targets from the stored (bf16) final states, we run the drafter in fp32 against the live
 target's logits, so near-tied argmaxes can flip on a few positions; on the demo's few thousand positions that is
 well under 3 points, while any indexing or masking error moves the figure by far more."""
