@@ -147,6 +147,7 @@ def main() -> int:
     from endpoint_sim.smollm2 import DIR_NAME, ensure_smollm2_dir
     from flows.real_demo import QUICK, REAL_BATCH, REAL_EVAL, REAL_TRAIN, heldout_prompts_path, quick_overrides
     from tasks.evaluate import evaluate_run
+    from tasks.evaluate.acceptance import shared_targets
     from tasks.train import TrainOptions, train_run
 
     started = time.monotonic()
@@ -171,23 +172,24 @@ def main() -> int:
         evaluate = {"max_new_tokens": QUICK["max_new_tokens"], "max_prompts": QUICK["heldout"]}
     options = TrainOptions(**{**train, **({"max_steps": args.steps} if args.steps else {})})
     result: dict[str, Any] = {"bench": "exact_vs_reencoded", "target": "SmolLM2-135M-Instruct"}
-    for name, run_dir in (("exact", exact), ("reencoded", reencoded)):
-        summary = train_run(run_dir, run_dir / "train", options)
-        evaluation = evaluate_run(
-            run_dir, run_dir / "train", prompts_file=heldout_prompts_path(), baseline=False, **evaluate
-        )
-        walk = evaluation["walk"]
-        last_val = summary["val_metrics"][-1] if summary["val_metrics"] else {}
-        result[name] = {
-            "accepted_per_verify_step": round(walk["mean_accepted_length"], 4),
-            "tokens_per_verify_step": round(walk["tokens_per_verify_step"], 4),
-            "per_position_acceptance": [round(x, 4) for x in walk["per_position_acceptance"]],
-            "verify_steps": walk["verify_steps"],
-            "train_tokens": summary["train_tokens"],
-            "trainer_val_full_acc_0": round(last_val.get("full_acc_0_epoch", float("nan")), 4),
-        }
-        result["heldout_prompts"] = walk["prompts"]
-        result["heldout_tokens"] = walk["generated_tokens"]
+    with shared_targets():  # the second drafter walks the first one's target decodes of the held-out prompts
+        for name, run_dir in (("exact", exact), ("reencoded", reencoded)):
+            summary = train_run(run_dir, run_dir / "train", options)
+            evaluation = evaluate_run(
+                run_dir, run_dir / "train", prompts_file=heldout_prompts_path(), baseline=False, **evaluate
+            )
+            walk = evaluation["walk"]
+            last_val = summary["val_metrics"][-1] if summary["val_metrics"] else {}
+            result[name] = {
+                "accepted_per_verify_step": round(walk["mean_accepted_length"], 4),
+                "tokens_per_verify_step": round(walk["tokens_per_verify_step"], 4),
+                "per_position_acceptance": [round(x, 4) for x in walk["per_position_acceptance"]],
+                "verify_steps": walk["verify_steps"],
+                "train_tokens": summary["train_tokens"],
+                "trainer_val_full_acc_0": round(last_val.get("full_acc_0_epoch", float("nan")), 4),
+            }
+            result["heldout_prompts"] = walk["prompts"]
+            result["heldout_tokens"] = walk["generated_tokens"]
     a, b = result["exact"]["accepted_per_verify_step"], result["reencoded"]["accepted_per_verify_step"]
     result["exact_over_reencoded"] = round(a / b, 4) if b else None
     result["budget"] = {"max_steps": options.max_steps, "total_seq_len": options.total_seq_len, "k": options.ttt_steps}

@@ -111,6 +111,7 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     from endpoint_sim.responder import SimConfig
     from endpoint_sim.smollm2 import DIR_NAME, ensure_smollm2_dir
     from flows.train_flow import evaluate_flow, train_flow
+    from tasks.evaluate.acceptance import shared_targets
     from tasks.train import TrainOptions
 
     quiet_prefect_console()
@@ -138,11 +139,13 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     options = TrainOptions(**train).__dict__
     heldout = str(heldout_prompts_path())
     results: dict[str, dict[str, Any]] = {}
-    for name in ("own", "other"):
-        run_dir = root / name
-        trained = train_flow(str(run_dir), None, options, evaluate=False)
-        evaluation = evaluate_flow(str(run_dir), None, {**evaluate, "prompts_file": heldout, "baseline": name == "own"})
-        results[name] = {"train": trained["train"], "evaluate": evaluation}
+    with shared_targets():  # both drafters walk the same target decodes of the held-out prompts
+        for name in ("own", "other"):
+            run_dir = root / name
+            trained = train_flow(str(run_dir), None, options, evaluate=False)
+            settings = {**evaluate, "prompts_file": heldout, "baseline": name == "own"}
+            evaluation = evaluate_flow(str(run_dir), None, settings)
+            results[name] = {"train": trained["train"], "evaluate": evaluation}
     wall_s = time.monotonic() - started
 
     own_walk, other_walk = results["own"]["evaluate"]["walk"], results["other"]["evaluate"]["walk"]

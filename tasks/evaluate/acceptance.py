@@ -24,7 +24,8 @@ Two measurements share `Drafter.propose`:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,17 +216,18 @@ class Target:
 
     @classmethod
     def load(cls, model_dir: Path | str, layers: Sequence[int] | None, dtype: str = "bfloat16") -> Target:
-        """The process keeps the last target it loaded, with its decodes: evaluations of two drafters of one target
-        (the real-model demo's two arms) walk the same greedy decodes, so the second does not decode again. The key
-        includes the weights' sizes and mtimes, so a rebuilt model directory is loaded afresh."""
+        """Inside `shared_targets()`, one target per model, layers and dtype, with its decodes: evaluations of two
+        drafters of one target (the real-model demo's two arms) walk the same greedy decodes, so the second does
+        not decode again. The key includes the files' sizes and mtimes, so a rebuilt model directory is loaded
+        afresh. Outside it every call loads its own (nothing outlives the evaluation that loaded it)."""
         path = Path(model_dir).resolve()
         key = (str(path), tuple(layers) if layers is not None else None, dtype, _files_stamp(path))
-        kept = _LOADED.get(key)
+        kept = _SHARED[-1].get(key) if _SHARED else None
         if kept is None:
             runner = HFHiddenStateRunner.load(path, layers=layers, dtype=dtype, device="cpu")
             kept = cls(runner._model, runner)
-            _LOADED.clear()
-            _LOADED[key] = kept
+            if _SHARED:
+                _SHARED[-1][key] = kept
         return kept
 
     @torch.inference_mode()
@@ -263,7 +265,17 @@ class Target:
         return self._aux[key]
 
 
-_LOADED: dict[tuple[Any, ...], Target] = {}
+_SHARED: list[dict[tuple[Any, ...], Target]] = []
+
+
+@contextmanager
+def shared_targets() -> Iterator[None]:
+    """While active, `Target.load` hands out one target (and its greedy decodes) per model, layers and dtype."""
+    _SHARED.append({})
+    try:
+        yield
+    finally:
+        _SHARED.pop()
 
 
 def _files_stamp(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
