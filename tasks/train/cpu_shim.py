@@ -42,8 +42,8 @@ BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 def cpu_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU multiplies bf16 natively (AMX or AVX512-BF16). Without either, torch's CPU autocast to
-    bf16 converts around every matmul: speculators' training step on SmolLM2 took 1.6x as long as in float32 on a
-    2-core Ice Lake (`bench/real_demo_speed.py`). Unknown (no cpuinfo): no."""
+    bf16 converts around every matmul: speculators' training step on SmolLM2 took 2.1x as long as in float32 on a
+    2-core Ice Lake (3.7 s vs 1.8 s, `bench/real_demo_speed.py`). Unknown (no cpuinfo): no."""
     try:
         text = cpuinfo.read_text()
     except OSError:
