@@ -45,10 +45,10 @@ def test_a_trim_gives_back_the_free_pages_inside_the_heap() -> None:
 
 def test_the_window_trims_every_interval_and_stops_when_it_leaves() -> None:
     calls = heap_trim.TrimStats.calls
+    keep = fragmented_heap(32)  # the hole exists before the window: its thread must not trim it before `before`
+    before = rss_bytes()
     with trimmed_heap(interval_s=0.01):
         assert trimming()
-        keep = fragmented_heap(32)
-        before = rss_bytes()
         for _ in range(500):
             if before - rss_bytes() > 16 * 1024 * 1024:
                 break
