@@ -1,4 +1,5 @@
-"""The evaluate stage's target: loaded once per process and model, its greedy decodes shared between drafters."""
+"""The evaluate stage's target: inside `shared_targets()` one per model, layers and dtype, its greedy decodes shared
+between drafters; outside it every evaluation loads its own."""
 
 from __future__ import annotations
 
