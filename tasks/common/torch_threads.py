@@ -6,6 +6,7 @@ loaded 2-core machine), so the acceptance walk and the model-backed simulator pi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,3 +21,11 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows), at least one."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
