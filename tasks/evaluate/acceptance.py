@@ -37,8 +37,8 @@ from tasks.extract.hf_backend import HFHiddenStateRunner
 
 DECODE_BATCH = 48
 """Held-out prompts the target decodes together: SmolLM2-135M's 48-token decodes of the demo's 48 held-out prompts
-took 27.6 s batched (the forward-pass check included) against 167.6 s one by one on 2 cores, all 48 identical
-(`bench/real_demo_speed.py`)."""
+took 28-37 s batched (the forward-pass check included) against 168-173 s one by one on 2 cores (4.7-6.1x), all 48
+identical (`bench/real_demo_speed.py`)."""
 
 
 @dataclass
