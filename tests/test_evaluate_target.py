@@ -59,7 +59,7 @@ def test_other_layers_dtype_or_rebuilt_weights_load_afresh(tiny_model_dir: Path,
 def test_batched_decodes_equal_one_by_one_decodes(tiny_model_dir: Path) -> None:
     """Prompts of different lengths (left padding) and an answer that ends early: the batch gives each prompt
     the ids its own decode gives, cut after the end token as a lone decode stops there."""
-    prompts = [[1, 5, 9, 13], [1, 7, 7], [2, 3, 4, 5, 6, 7, 8, 9]]
+    prompts = [[1, 5, 9, 13], [1, 7, 7], [2, 3, 4, 5, 6, 7, 8, 9], [3, 3]]  # batched by length: 2+3, 4+8
     alone = Target.load(tiny_model_dir, [0, 1, 2], "float32")
     unended = alone.greedy(prompts[2], 8)
     stop = unended[len(prompts[2]) + 2]  # the third token it generates becomes the end token
@@ -69,7 +69,7 @@ def test_batched_decodes_equal_one_by_one_decodes(tiny_model_dir: Path) -> None:
 
     batched = Target.load(tiny_model_dir, [0, 1, 2], "float32")
     batched.model.generation_config.eos_token_id = stop
-    assert batched.decode_all(prompts, 8, batch_size=2) == {"batched": 3, "redecoded": 0}
+    assert batched.decode_all(prompts, 8, batch_size=2) == {"batched": 4, "redecoded": 0}
     assert [batched.greedy(p, 8) for p in prompts] == expected
     assert batched.decode_all(prompts, 8) == {"batched": 0, "redecoded": 0}  # kept, not decoded again
 
