@@ -208,6 +208,7 @@ def test_evaluate_walks_exactly_the_prompts_of_a_file(
     expected = [render_prompt_ids(tokenizer, [Message(role="user", content=q)]) for q in questions]
     assert result["walked_prompts"] == expected and result["heldout_source"] == "prompts_file"
     assert result["walk"]["prompts"] == 3 and result["walk"]["generated_tokens"] == 3 * 8
+    assert sum(result["walk"]["target_decodes"].values()) == 3  # this evaluation's own target decoded all three
 
     path.write_text('{"messages": [{"role": "user", "content": "ok"}]}\n{"messages": []}\n')
     capsys.readouterr()  # what the walk above printed

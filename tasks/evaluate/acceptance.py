@@ -352,9 +352,11 @@ def _files_stamp(model_dir: Path) -> tuple[tuple[str, int, int], ...]:
 def acceptance_walk(
     target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int
 ) -> dict[str, Any]:
+    """Greedy chain verification along the target's decodes; `target_decodes` says how many of them this walk
+    made batched and how many it decoded again alone after the check (none where an earlier walk's are kept)."""
     stats = WalkStats(k)
     generated = 0
-    target.decode_all(prompts, max_new_tokens)
+    decoded = target.decode_all(prompts, max_new_tokens)
     for prompt in prompts:
         seq = target.greedy(prompt, max_new_tokens)
         aux = target.aux(seq)
@@ -369,7 +371,7 @@ def acceptance_walk(
                 accepted += 1
             stats.add(proposed, accepted)
             m += accepted + 1
-    return {**stats.as_dict(), "prompts": len(prompts), "generated_tokens": generated}
+    return {**stats.as_dict(), "prompts": len(prompts), "generated_tokens": generated, "target_decodes": decoded}
 
 
 def teacher_forced(
