@@ -17,8 +17,8 @@ emits. This script measures what that costs:
 Prints one JSON line: accepted drafts per verify step of each, their ratio, the held-out target tokens walked,
 how many stored rows and tokens differ between the two runs, and the repair for text-only endpoints
 (`reconstruct.repair_from`) measured on answers its rules were not learned from: rows whose repaired re-encoding
-equals the model's ids, against rows whose plain re-encoding does. CPU, ~15 minutes on 2 cores (6 with
---from):
+equals the model's ids, against rows whose plain re-encoding does. CPU, 6 minutes on 2 cores with --from (366 s
+measured); without it the answers are generated first (~5 minutes more):
     python bench/exact_vs_reencoded.py [--out runs/bench-exact] [--from runs/demo-real/own]
 """
 
