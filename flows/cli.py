@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--real",
         action="store_true",
         help="every stage on a real model, SmolLM2-135M-Instruct (the realmodel extra; run dir runs/demo-real): "
-        "its own answers vs other answers of the same length, ~14 minutes on 2 idle cores",
+        "its own answers vs other answers of the same length, 14-17 minutes on 2 idle cores",
     )
     demo.add_argument("--threads", type=int, default=2, help="--real: torch threads of the model-backed endpoint")
     demo.add_argument("--quick", action="store_true", help="--real: 24 short answers, 8 steps: a smoke run, no figure")
