@@ -14,7 +14,8 @@ emits. This script measures what that costs:
    batches of the same length, same seed), and walked along the target's greedy decode of the same held-out
    prompt file (`evaluate --prompts`).
 
-Prints one JSON line: accepted drafts per verify step of each, their ratio, the held-out target tokens walked,
+Prints one JSON line: accepted drafts per verify step of each, their ratio with its 95% interval over the held-out
+prompts (paired bootstrap, `tasks.evaluate.interval`), the held-out target tokens walked,
 how many stored rows and tokens differ between the two runs, and the repair for text-only endpoints
 (`reconstruct.repair_from`) measured on answers its rules were not learned from: rows whose repaired re-encoding
 equals the model's ids, against rows whose plain re-encoding does. CPU, 6 minutes on 2 cores with --from (366 s
@@ -148,6 +149,7 @@ def main() -> int:
     from flows.real_demo import QUICK, REAL_BATCH, REAL_EVAL, REAL_TRAIN, heldout_prompts_path, quick_overrides
     from tasks.evaluate import evaluate_run
     from tasks.evaluate.acceptance import shared_targets
+    from tasks.evaluate.interval import paired_ratio_interval
     from tasks.train import TrainOptions, train_run
 
     started = time.monotonic()
@@ -172,6 +174,7 @@ def main() -> int:
         evaluate = {"max_new_tokens": QUICK["max_new_tokens"], "max_prompts": QUICK["heldout"]}
     options = TrainOptions(**{**train, **({"max_steps": args.steps} if args.steps else {})})
     result: dict[str, Any] = {"bench": "exact_vs_reencoded", "target": "SmolLM2-135M-Instruct"}
+    per_prompt: dict[str, list[list[int]]] = {}
     with shared_targets():  # the second drafter walks the first one's target decodes of the held-out prompts
         for name, run_dir in (("exact", exact), ("reencoded", reencoded)):
             summary = train_run(run_dir, run_dir / "train", options)
@@ -179,6 +182,7 @@ def main() -> int:
                 run_dir, run_dir / "train", prompts_file=heldout_prompts_path(), baseline=False, **evaluate
             )
             walk = evaluation["walk"]
+            per_prompt[name] = walk["per_prompt"]
             last_val = summary["val_metrics"][-1] if summary["val_metrics"] else {}
             result[name] = {
                 "accepted_per_verify_step": round(walk["mean_accepted_length"], 4),
@@ -192,6 +196,8 @@ def main() -> int:
             result["heldout_tokens"] = walk["generated_tokens"]
     a, b = result["exact"]["accepted_per_verify_step"], result["reencoded"]["accepted_per_verify_step"]
     result["exact_over_reencoded"] = round(a / b, 4) if b else None
+    low, high = paired_ratio_interval(per_prompt["exact"], per_prompt["reencoded"])
+    result["exact_over_reencoded_interval_95_over_heldout_prompts"] = [round(low, 4), round(high, 4)]
     result["budget"] = {"max_steps": options.max_steps, "total_seq_len": options.total_seq_len, "k": options.ttt_steps}
     result["stored_ids"] = differing(exact, reencoded)
     result["repair_on_unseen_answers"] = repair_exactness(exact, model_dir)

@@ -102,6 +102,11 @@ def _bpe_artifacts(stats: dict[str, Any]) -> tuple[int, int]:
     return sum(s["bpe_artifact"] for s in rows), sum(s["referenced"] for s in rows)
 
 
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: an unbounded end of an interval is null."""
+    return round(value, 2) if value != float("inf") else None
+
+
 def cmd_demo_real(args: argparse.Namespace) -> int:
     from flows.cli_common import prefect_env, print_demo_summary, quiet_prefect_console
 
@@ -112,6 +117,7 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     from endpoint_sim.smollm2 import DIR_NAME, ensure_smollm2_dir
     from flows.train_flow import evaluate_flow, train_flow
     from tasks.evaluate.acceptance import shared_targets
+    from tasks.evaluate.interval import accepted_length_interval, format_interval, paired_ratio_interval
     from tasks.train import TrainOptions
 
     quiet_prefect_console()
@@ -153,6 +159,9 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     counts = token_source_counts(own_stats)
     artifacts, referenced = _bpe_artifacts(own_stats)
     ratio = own_walk["mean_accepted_length"] / other_walk["mean_accepted_length"] if other_walk["verify_steps"] else 0
+    ratio_low, ratio_high = paired_ratio_interval(own_walk["per_prompt"], other_walk["per_prompt"])
+    own_low, own_high = accepted_length_interval(own_walk["per_prompt"])
+    other_low, other_high = accepted_length_interval(other_walk["per_prompt"])
     summary = {
         "target": str(model_dir),
         "k": own_walk["k"],
@@ -165,6 +174,11 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
             "untrained": round(base_walk["mean_accepted_length"], 3),
             "other": round(other_walk["mean_accepted_length"], 3),
             "own_over_other": round(ratio, 2) if other_walk["mean_accepted_length"] else None,
+        },
+        "interval_95_over_heldout_prompts": {
+            "own": [round(own_low, 3), round(own_high, 3)],
+            "other": [round(other_low, 3), round(other_high, 3)],
+            "own_over_other": [_finite(ratio_low), _finite(ratio_high)],
         },
         "train_tokens": {n: results[n]["train"]["train_tokens"] for n in results},
         "rows": {"model_exact": counts.get("model", 0), "reencoded": counts.get("reencoded", 0)},
@@ -182,7 +196,8 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
         f"\nSmolLM2-135M-Instruct, K={own_walk['k']}, {own_walk['prompts']} held-out prompts "
         f"({own_walk['generated_tokens']} target tokens): accepted drafts per verify step own "
         f"{own_walk['mean_accepted_length']:.3f}, untrained {base_walk['mean_accepted_length']:.3f}, other answers "
-        f"of the same length {other_walk['mean_accepted_length']:.3f} (own/other {ratio:.1f}x)\n"
+        f"of the same length {other_walk['mean_accepted_length']:.3f} (own/other {ratio:.1f}x; 95% interval over "
+        f"the held-out prompts {format_interval(ratio_low, ratio_high, suffix='x')})\n"
         f"stored rows: {counts.get('model', 0)} model-exact ids, {counts.get('reencoded', 0)} re-encoded "
         f"(re-encoding alone would have differed from the model's ids in {artifacts} of {referenced} rows)\n"
         f"wall time {wall_s:.0f} s; results in {root / 'demo_real.json'}"

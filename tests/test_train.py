@@ -19,7 +19,7 @@ pytest.importorskip("speculators", reason="the train extra (speculators==0.9.0) 
 
 from tasks.common.schemas import TOKENS
 from tasks.common.shards import PartRef, write_part
-from tasks.evaluate import TOLERANCE, evaluate_run
+from tasks.evaluate import TOLERANCE, evaluate_run, evaluation_markdown
 from tasks.evaluate.acceptance import Drafter, WalkStats
 from tasks.extract.hf_backend import HFHiddenStateRunner
 from tasks.extract.stage import extract_part
@@ -92,6 +92,15 @@ def test_training_beats_an_untrained_drafter_on_heldout_prompts(trained: dict[st
     assert walk["tokens_per_verify_step"] == pytest.approx(1 + walk["mean_accepted_length"])
     first, second, third = walk["per_position_acceptance"]
     assert first > 0.5 and 0 <= second <= 1 and 0 <= third <= 1
+    per_prompt = walk["per_prompt"]  # what the interval over prompts resamples: one entry per walked prompt
+    assert len(per_prompt) == trained["evaluation"]["heldout_prompts_walked"]
+    assert sum(s for _, s in per_prompt) == walk["verify_steps"]
+    assert sum(a for a, _ in per_prompt) / walk["verify_steps"] == pytest.approx(walk["mean_accepted_length"])
+    low, high = walk["mean_accepted_length_interval_95"]
+    assert low <= walk["mean_accepted_length"] <= high
+    assert f"| trained | {walk['mean_accepted_length']:.3f} | {low:.3f}-{high:.3f} |" in evaluation_markdown(
+        trained["evaluation"]
+    )
 
 
 def test_evaluate_agrees_with_the_trainers_own_validation_metric(trained: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tasks.common.torch_threads import available_cpus, torch_threads
+from tasks.evaluate.interval import accepted_length_interval
 from tasks.extract.hf_backend import HFHiddenStateRunner
 
 DECODE_BATCH = 48
@@ -353,11 +354,15 @@ def acceptance_walk(
     target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], k: int, max_new_tokens: int
 ) -> dict[str, Any]:
     """Greedy chain verification along the target's decodes; `target_decodes` says how many of them this walk
-    made batched and how many it decoded again alone after the check (none where an earlier walk's are kept)."""
+    made batched and how many it decoded again alone after the check (none where an earlier walk's are kept);
+    `per_prompt`: [accepted drafts, verify steps] of each prompt in order, what an interval over prompts resamples
+    (`tasks.evaluate.interval`)."""
     stats = WalkStats(k)
     generated = 0
+    per_prompt: list[list[int]] = []
     decoded = target.decode_all(prompts, max_new_tokens)
     for prompt in prompts:
+        before = (stats.accepted_tokens, stats.verify_steps)
         seq = target.greedy(prompt, max_new_tokens)
         aux = target.aux(seq)
         n, m = len(seq), len(prompt)
@@ -371,7 +376,15 @@ def acceptance_walk(
                 accepted += 1
             stats.add(proposed, accepted)
             m += accepted + 1
-    return {**stats.as_dict(), "prompts": len(prompts), "generated_tokens": generated, "target_decodes": decoded}
+        per_prompt.append([stats.accepted_tokens - before[0], stats.verify_steps - before[1]])
+    return {
+        **stats.as_dict(),
+        "prompts": len(prompts),
+        "generated_tokens": generated,
+        "target_decodes": decoded,
+        "per_prompt": per_prompt,
+        "mean_accepted_length_interval_95": list(accepted_length_interval(per_prompt)) if stats.verify_steps else None,
+    }
 
 
 def teacher_forced(

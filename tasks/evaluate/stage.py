@@ -195,6 +195,13 @@ def _fmt(values: list[float] | None) -> str:
     return ", ".join(f"{v:.3f}" for v in values) if values else "n/a"
 
 
+def _interval(walk: dict[str, Any]) -> str:
+    """The walk's mean accepted length as other prompts of the same kind could have given it (a bootstrap over
+    the walked prompts, `tasks.evaluate.interval`)."""
+    interval = walk.get("mean_accepted_length_interval_95")
+    return f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "n/a"
+
+
 def evaluation_markdown(result: dict[str, Any]) -> str:
     walk, base, cross = result["walk"], result["baseline"], result["cross_check"]
     lines = [
@@ -204,15 +211,16 @@ def evaluation_markdown(result: dict[str, Any]) -> str:
         f"decode of {walk['prompts']} held-out prompts ({walk['generated_tokens']} tokens, "
         f"{walk['verify_steps']} verify steps).",
         "",
-        "| drafter | mean accepted length | tokens per verify step | per-position acceptance |",
-        "|---|---:|---:|---|",
-        f"| trained | {walk['mean_accepted_length']:.3f} | {walk['tokens_per_verify_step']:.3f} | "
+        "| drafter | mean accepted length | 95% interval over prompts | tokens per verify step | "
+        "per-position acceptance |",
+        "|---|---:|---:|---:|---|",
+        f"| trained | {walk['mean_accepted_length']:.3f} | {_interval(walk)} | {walk['tokens_per_verify_step']:.3f} | "
         f"{_fmt(walk['per_position_acceptance'])} |",
     ]
     if base:
         lines.append(
-            f"| untrained | {base['mean_accepted_length']:.3f} | {base['tokens_per_verify_step']:.3f} | "
-            f"{_fmt(base['per_position_acceptance'])} |"
+            f"| untrained | {base['mean_accepted_length']:.3f} | {_interval(base)} | "
+            f"{base['tokens_per_verify_step']:.3f} | {_fmt(base['per_position_acceptance'])} |"
         )
     lines += [
         "",
