@@ -30,6 +30,19 @@ def test_three_prompts_interval_is_the_extremes_of_every_possible_draw() -> None
     assert accepted_length_interval(own) == pytest.approx((min(rates), max(rates)))
 
 
+def test_resamples_drawn_in_chunks_cover_the_same_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A walk over many prompts draws its resamples in chunks; a chunk of 2 resamples (and a last one of 1) must
+    still give every possible draw its share, so the enumeration's extremes come out again."""
+    import tasks.evaluate.interval as interval
+
+    own = [[2, 4], [3, 5], [6, 6]]
+    other = [[1, 5], [2, 5], [2, 7]]
+    whole = paired_ratio_interval(own, other, resamples=10_001)
+    monkeypatch.setattr(interval, "CHUNK_DRAWS", 7)
+    assert paired_ratio_interval(own, other, resamples=10_001) == pytest.approx(whole)
+    assert accepted_length_interval(own, resamples=10_001) == pytest.approx((0.5, 1.0))  # 2/4 and 6/6
+
+
 def test_the_point_figure_lies_inside_and_identical_walks_give_one() -> None:
     own = [[a % 7 + 1, 5 + a % 3] for a in range(48)]
     other = [[a % 3, 6 + a % 2] for a in range(48)]
