@@ -9,7 +9,8 @@
 4. trains one drafter on each with the same budget (optimizer steps over packed batches of the same length, same
    seed and options), then walks both, and an untrained one, along the target's greedy decode of a held-out
    prompt file of their own (`evaluate --prompts`), and prints the accepted tokens per verify step of each, their
-   ratio, and how many stored rows are the model's exact ids vs re-encoded text.
+   ratio with its 95% interval over the held-out prompts (`tasks.evaluate.interval`), and how many stored rows
+   are the model's exact ids vs re-encoded text.
 """
 
 from __future__ import annotations
