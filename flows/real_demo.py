@@ -118,7 +118,7 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     from endpoint_sim.smollm2 import DIR_NAME, ensure_smollm2_dir
     from flows.train_flow import evaluate_flow, train_flow
     from tasks.evaluate.acceptance import shared_targets
-    from tasks.evaluate.interval import accepted_length_interval, format_interval, paired_ratio_interval
+    from tasks.evaluate.interval import format_interval, paired_ratio_interval
     from tasks.train import TrainOptions
 
     quiet_prefect_console()
@@ -161,8 +161,6 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
     artifacts, referenced = _bpe_artifacts(own_stats)
     ratio = own_walk["mean_accepted_length"] / other_walk["mean_accepted_length"] if other_walk["verify_steps"] else 0
     ratio_low, ratio_high = paired_ratio_interval(own_walk["per_prompt"], other_walk["per_prompt"])
-    own_low, own_high = accepted_length_interval(own_walk["per_prompt"])
-    other_low, other_high = accepted_length_interval(other_walk["per_prompt"])
     summary = {
         "target": str(model_dir),
         "k": own_walk["k"],
@@ -177,8 +175,8 @@ def cmd_demo_real(args: argparse.Namespace) -> int:
             "own_over_other": round(ratio, 2) if other_walk["mean_accepted_length"] else None,
         },
         "interval_95_over_heldout_prompts": {
-            "own": [round(own_low, 3), round(own_high, 3)],
-            "other": [round(other_low, 3), round(other_high, 3)],
+            "own": [round(end, 3) for end in own_walk["mean_accepted_length_interval_95"]],
+            "other": [round(end, 3) for end in other_walk["mean_accepted_length_interval_95"]],
             "own_over_other": [_finite(ratio_low), _finite(ratio_high)],
         },
         "train_tokens": {n: results[n]["train"]["train_tokens"] for n in results},

@@ -83,8 +83,7 @@ def paired_ratio_interval(
     if len(unpaired):
         raise IntervalError(f"prompt {int(unpaired[0])} has verify steps in one walk and none in the other")
     top, bottom = _resampled_rates([a, b], resamples, seed)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1.0), np.inf)
+    ratio = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1.0), np.inf)
     return _percentiles(ratio, confidence)
 
 

@@ -29,6 +29,7 @@ import torch
 from tasks.common.shards import atomic_write_text, done_parts, read_provenance
 from tasks.common.torch_threads import torch_threads
 from tasks.evaluate.acceptance import Drafter, Target, acceptance_walk, teacher_forced
+from tasks.evaluate.interval import format_interval
 from tasks.train.stage import EXPORT_DIR, SUMMARY_NAME, TrainError, hidden_states_provenance
 
 EVALUATION_NAME = "evaluation.json"
@@ -199,7 +200,7 @@ def _interval(walk: dict[str, Any]) -> str:
     """The walk's mean accepted length as other prompts of the same kind could have given it (a bootstrap over
     the walked prompts, `tasks.evaluate.interval`)."""
     interval = walk.get("mean_accepted_length_interval_95")
-    return f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "n/a"
+    return format_interval(interval[0], interval[1], digits=3) if interval else "n/a"
 
 
 def evaluation_markdown(result: dict[str, Any]) -> str:
