@@ -78,7 +78,7 @@ def test_an_outage_holds_every_sender_probes_with_backoff_and_resumes_through_on
         assert breaker.state == "open" and breaker.take() is None
         await asyncio.wait_for(breaker.wait(), timeout=5)
         assert breaker.take() is True
-        breaker.alive()  # the trial's answer
+        breaker.alive(time.monotonic())  # the trial's answer
         assert breaker.state == "closed" and breaker.take() is False
         assert endpoint.events == ["outage_start", "outage_end"]
         assert breaker.outages == 1
@@ -115,6 +115,67 @@ def test_after_outage_abort_s_without_an_answer_every_waiting_sender_stops() -> 
                 waiter.result()
         with pytest.raises(EndpointUnavailableError):
             breaker.take()
+        await breaker.close()
+
+    asyncio.run(scenario())
+
+
+def test_answers_to_requests_sent_before_the_outage_do_not_end_it() -> None:
+    """A draining server answers what it holds while it refuses new connections (CI caught the simulator doing
+    so as it shut down: the breaker closed on those answers, all 64 senders hit the dead port, and a second
+    outage opened). An old answer earns one trial request in an outage, and nothing while suspect; an answer to
+    a request sent after the endpoint was suspected ends the outage."""
+
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        breaker = endpoint.breaker(probe_max_s=10.0)
+        before = time.monotonic()
+        await asyncio.sleep(0.001)
+        assert await breaker.judge(time.monotonic(), answered_since=False, trial=False, error="refused") is True
+        assert breaker.state == "open"
+        breaker.alive(before)
+        assert breaker.state == "trial" and endpoint.events == ["outage_start"], "an old answer ended the outage"
+        breaker.alive(before)
+        assert breaker.state == "trial"
+        assert breaker.take() is True and breaker.take() is None, "exactly one trial request"
+        assert await breaker.judge(time.monotonic(), answered_since=True, trial=True, error="refused") is True
+        assert breaker.state == "open" and breaker.outages == 1, "a refused trial is the same outage"
+        breaker.alive(time.monotonic())
+        assert breaker.state == "closed" and endpoint.events == ["outage_start", "outage_end"]
+        await breaker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_suspect_breaker_is_left_to_its_probe_by_an_old_answer() -> None:
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        gate = asyncio.Event()
+
+        async def slow_probe() -> bool:
+            endpoint.probes += 1
+            await gate.wait()
+            return True
+
+        breaker = CircuitBreaker(
+            slow_probe,
+            lambda: endpoint.last_success,
+            lambda kind, message: endpoint.events.append(kind),
+            probe_min_s=0.01,
+            probe_max_s=10.0,
+            abort_s=60.0,
+        )
+        before = time.monotonic()
+        await asyncio.sleep(0.001)
+        verdict = asyncio.ensure_future(
+            breaker.judge(time.monotonic(), answered_since=False, trial=False, error="reset")
+        )
+        await asyncio.sleep(0.01)
+        assert breaker.state == "suspect"
+        breaker.alive(before)
+        assert breaker.state == "suspect" and not breaker.sendable(), "an old answer let every sender fire"
+        gate.set()
+        assert await verdict is True and breaker.state == "open" and endpoint.events == ["outage_start"]
         await breaker.close()
 
     asyncio.run(scenario())

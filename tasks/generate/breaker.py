@@ -12,7 +12,11 @@ States:
 - `open`: an outage. No sends; a probe at growing intervals. A probe that finds the endpoint up lets exactly one
   real request through (`trial`), since a liveness URL can answer while completions still fail.
 - `trial`: that one request is out. Its answer closes the breaker; its outage-class failure reopens it.
-Any answer of any request (a long stream that was still running, say) closes the breaker at once.
+An answer to a request sent after the endpoint was suspected closes the breaker at once. An answer to one sent
+before (a long stream that was still running) proves less: a draining server (SIGTERM, a pod being replaced, a
+simulator shutting down) finishes the requests it holds while it refuses new connections, and closing on those
+answers let every sender fire at a dead port, then opened a second outage. So it lets one trial request through
+while open, and leaves a suspect breaker to its probe.
 
 Whether a failure uses up one of the sample's attempts is decided here too (`judge`): not while the endpoint is
 down. When nothing has answered for `outage_abort_s`, every waiting sender gets `EndpointUnavailableError`:
@@ -103,11 +107,17 @@ class CircuitBreaker:
             self._notify()
 
     # --- outcomes ---------------------------------------------------------------------------------------------
-    def alive(self) -> None:
-        """An HTTP answer that says the endpoint serves (anything but 502-504, a success above all)."""
+    def alive(self, sent_at: float) -> None:
+        """An HTTP answer (anything but 502-504, a success above all) to a request sent at `sent_at`."""
         self.failures_in_a_row = 0
-        if self.state != "closed":
-            self._close()
+        if self.state == "closed":
+            return
+        if self.down_since is not None and sent_at < self.down_since:
+            if self.state == "open":
+                self.state = "trial"
+                self._notify()
+            return
+        self._close()
 
     async def judge(self, sent_at: float, answered_since: bool, trial: bool, error: str) -> bool:
         """An outage-class failure of a request sent at `sent_at`: True when the endpoint is down (the attempt

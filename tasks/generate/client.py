@@ -522,7 +522,7 @@ class EndpointClient:
                     ) from exc
                 finally:
                     window.release()
-                result = self._answer(status, headers, raw, body, url, prompt_ids)
+                result = self._answer(status, headers, raw, body, url, prompt_ids, sent_at)
             except SampleFatalError as exc:
                 budget.settle(worst, 0.0)
                 self._ended(uid, "answered", 0.0, None, exc.reason, worst)
@@ -637,10 +637,11 @@ class EndpointClient:
         body: dict[str, Any] | None,
         url: str,
         prompt_ids: list[int] | None,
+        sent_at: float,
     ) -> GenerationResult:
         """The result an answer carries, or the error class it belongs to (raised)."""
         if status not in UNAVAILABLE_STATUS:
-            self.breaker.alive()
+            self.breaker.alive(sent_at)
         if status != 200:
             snippet = self.redact(raw.decode("utf-8", errors="replace"))[:ERROR_SNIPPET_CHARS]
             self._classify_status(status, headers.get("Retry-After"), snippet, url)
