@@ -20,10 +20,13 @@ class Endpoint:
         self.probes = 0
         self.last_success = time.monotonic()
         self.events: list[str] = []
+        self.gate: asyncio.Event | None = None  # set: each probe answers only once the gate opens
 
     async def probe(self) -> bool:
         self.probes += 1
         await asyncio.sleep(0)
+        if self.gate is not None:
+            await self.gate.wait()
         return self.down
 
     def breaker(self, abort_s: float = 60.0, probe_max_s: float = 0.08) -> CircuitBreaker:
@@ -150,21 +153,8 @@ def test_answers_to_requests_sent_before_the_outage_do_not_end_it() -> None:
 def test_a_suspect_breaker_is_left_to_its_probe_by_an_old_answer() -> None:
     async def scenario() -> None:
         endpoint = Endpoint()
-        gate = asyncio.Event()
-
-        async def slow_probe() -> bool:
-            endpoint.probes += 1
-            await gate.wait()
-            return True
-
-        breaker = CircuitBreaker(
-            slow_probe,
-            lambda: endpoint.last_success,
-            lambda kind, message: endpoint.events.append(kind),
-            probe_min_s=0.01,
-            probe_max_s=10.0,
-            abort_s=60.0,
-        )
+        endpoint.gate = asyncio.Event()
+        breaker = endpoint.breaker(probe_max_s=10.0)
         before = time.monotonic()
         await asyncio.sleep(0.001)
         verdict = asyncio.ensure_future(
@@ -174,7 +164,7 @@ def test_a_suspect_breaker_is_left_to_its_probe_by_an_old_answer() -> None:
         assert breaker.state == "suspect"
         breaker.alive(before)
         assert breaker.state == "suspect" and not breaker.sendable(), "an old answer let every sender fire"
-        gate.set()
+        endpoint.gate.set()
         assert await verdict is True and breaker.state == "open" and endpoint.events == ["outage_start"]
         await breaker.close()
 
