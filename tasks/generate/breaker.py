@@ -113,9 +113,7 @@ class CircuitBreaker:
         if self.state == "closed":
             return
         if self.down_since is not None and sent_at < self.down_since:
-            if self.state == "open":
-                self.state = "trial"
-                self._notify()
+            self._allow_trial()
             return
         self._close()
 
@@ -171,6 +169,12 @@ class CircuitBreaker:
         self._notify()
         self._prober = asyncio.ensure_future(self._probe_until_up())
 
+    def _allow_trial(self) -> None:
+        """Evidence the endpoint may be back: one real request decides."""
+        if self.state == "open":
+            self.state = "trial"
+            self._notify()
+
     def _reopen(self) -> None:
         if self.state == "trial":
             self.state = "open"
@@ -213,9 +217,8 @@ class CircuitBreaker:
             self._probe_started = time.monotonic()
             self._probe = asyncio.ensure_future(self._probe_fn())
             down = await asyncio.shield(self._probe)
-            if self.state == "open" and not down:
-                self.state = "trial"
-                self._notify()
+            if not down:
+                self._allow_trial()
             delay = min(self.probe_max_s, delay * 2)
 
     async def _wait_change(self) -> None:
