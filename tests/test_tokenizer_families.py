@@ -245,3 +245,35 @@ def test_run_config_drives_kwargs_and_disagreement_policy(tmp_path: Path) -> Non
         update={"validation": ValidationConfig(format_disagreement="warn")}
     )
     assert format_for(lenient, tok) is PRESETS["deepseek_v31_thinking"]
+
+
+def test_a_prompt_that_closes_the_think_block_keeps_the_newline_the_model_writes() -> None:
+    """GLM-4.6 with thinking off ends its prompt `<think></think>` and renders `</think>\\n` before an answer
+    without reasoning: the model writes that newline first. Left out, every stored answer starts one id short;
+    an API that returns it inside the content must not double it."""
+    kwargs = {"enable_thinking": False}
+    tok = F.shared("glm_46")
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert not fmt.has_reasoning and fmt.content_separator == "\n"
+    user = [{"role": "user", "content": "And 3+3?"}]
+    prompt = render_prompt(tok, user, kwargs)
+    finished = tok.apply_chat_template([*user, {"role": "assistant", "content": "It is 6."}], tokenize=False, **kwargs)
+    assert isinstance(finished, str) and prompt.endswith("<think></think>")
+    for content in ("It is 6.", "\nIt is 6."):
+        assert prompt + completion_text(fmt, None, content) == finished + fmt.end_of_turn
+
+
+def test_a_tool_call_rendered_between_reasoning_and_content_is_not_read_as_the_close() -> None:
+    """Gemma-4 shows reasoning only in turns with tool calls, and renders the call between the reasoning and the
+    content. The close is `<channel|>`: the derivation's own sentinel call must not become part of every answer."""
+    kwargs = {"enable_thinking": True}
+    tok = F.shared("gemma4_31b_it")
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert (fmt.reasoning_open, fmt.reasoning_close, fmt.end_of_turn) == ("<|channel>thought", "<channel|>", "<turn|>")
+    assert completion_text(fmt, "3 + 3 = 6.", "It is 6.") == "<|channel>thought\n3 + 3 = 6.\n<channel|>It is 6.<turn|>"
+    call = {"id": "c0", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    turn = {"role": "assistant", "content": "It is 6.", "reasoning_content": "3 + 3 = 6.", "tool_calls": [call]}
+    rendered = tok.apply_chat_template([{"role": "user", "content": "And 3+3?"}, turn], tokenize=False, **kwargs)
+    assert isinstance(rendered, str) and "<|channel>thought\n3 + 3 = 6.\n<channel|><|tool_call>call:add" in rendered

@@ -40,9 +40,12 @@ class CompletionFormat:
     `open_in_prompt`: the generation prompt already ends with `reasoning_open + reasoning_pad`, so the model's
     output starts directly with the reasoning. `reasoning_pad`: whitespace the model writes inside the tags on
     both sides of the reasoning (Qwen3 writes `<think>\\n...\\n</think>`). `content_separator`: text between
-    the close literal and the content. The literals may span several control tokens and text (gpt-oss closes
-    its analysis channel with `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then
-    names the control tokens inside them, each of which must be exactly one id. `pinned_ids`: ids from the
+    the close literal and the content; in a format without reasoning, what the model writes before the content
+    because its generation prompt already closed an empty think block (GLM-4.6 with thinking off ends its prompt
+    with `<think></think>`, and the model writes a newline before the answer). The literals may span several
+    control tokens and text (gpt-oss closes its analysis channel with
+    `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then names the control tokens
+    inside them, each of which must be exactly one id. `pinned_ids`: ids from the
     family's published `tokenizer_config.json`, for every family-specific token the preset relies on (its
     literals, the reasoning tags its generation prompt writes, the tool-call markers validation looks for); a
     tokenizer that disagrees is rejected before anything is sent (Kimi-K2's `<|im_end|>` is 163586; assuming
@@ -63,7 +66,7 @@ class CompletionFormat:
     def __post_init__(self) -> None:
         if (self.reasoning_open is None) != (self.reasoning_close is None):
             raise ConfigError(f"completion format {self.name!r}: reasoning_open and reasoning_close go together")
-        if self.reasoning_open is None and (self.open_in_prompt or self.reasoning_pad or self.content_separator):
+        if self.reasoning_open is None and (self.open_in_prompt or self.reasoning_pad):
             raise ConfigError(f"completion format {self.name!r}: reasoning fields set on a format without reasoning")
         if not self.end_of_turn:
             raise ConfigError(f"completion format {self.name!r}: end_of_turn is empty")
@@ -254,7 +257,7 @@ def completion_layout(
     if not fmt.has_reasoning:
         if reasoning.strip():
             raise ValueError(f"format {fmt.name!r} has no reasoning, but the response carries reasoning text")
-        head = ""
+        head = "" if truncated and not content else fmt.content_separator
     else:
         opening = "" if fmt.open_in_prompt else f"{fmt.reasoning_open}{fmt.reasoning_pad}"
         if truncated and not content:
@@ -357,6 +360,8 @@ class _Renders:
     turns: tuple[str, ...]
     end_of_turn: str
     controls: set[str]
+    bare: str
+    """the assistant turn with content and no reasoning"""
 
 
 def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any]) -> _Renders:
@@ -400,7 +405,9 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
         end_of_turn = _end_of_turn_before_next_user(tokenizer, user, template_kwargs, controls)
     if end_of_turn is None:
         raise ConfigError(f"chat template: assistant content is followed by {after[:40]!r}, not a special token")
-    return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls)
+    bare = _render(tokenizer, [*user, {"role": "assistant", "content": SENTINEL_CONTENT}], False, template_kwargs)
+    bare = bare[len(base) :] if bare.startswith(base) else ""
+    return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls, bare)
 
 
 def _end_of_turn_before_next_user(
@@ -419,14 +426,47 @@ def _end_of_turn_before_next_user(
     return _longest_prefix(text[at + len(SENTINEL_CONTENT) :], controls) if at >= 0 else None
 
 
-def _no_reasoning(end_of_turn: str) -> CompletionFormat:
-    return CompletionFormat("derived", None, False, None, end_of_turn)
+def _no_reasoning(end_of_turn: str, separator: str = "") -> CompletionFormat:
+    return CompletionFormat("derived", None, False, None, end_of_turn, content_separator=separator)
+
+
+def _before_tool_call(mid: str, controls: set[str]) -> str:
+    """What closes the reasoning, when the turn renders its tool call between the reasoning and the content
+    (Gemma-4: `<channel|><|tool_call>call:sentinel_tool{}<tool_call|>` then the content): everything before the
+    control token that opens the call. Left in, the sentinel call would be written into every answer."""
+    name = SENTINEL_TOOL_CALL["function"]["name"]
+    at = mid.find(name)
+    if at < 0:
+        return mid
+    start = max((mid.rfind(c, 0, at) for c in controls), default=-1)
+    if start < 0:
+        raise ConfigError(
+            f"chat template renders a tool call between the reasoning and the content with no control token "
+            f"opening it ({mid!r}): set completion_format explicitly"
+        )
+    return mid[:start]
+
+
+def _unwritten(r: _Renders, prompt_tail: str, close: str) -> str:
+    """What the model writes before its content when the generation prompt already closed an empty think block:
+    the whitespace the template puts between `close` and the content of an answer without reasoning, less what
+    the prompt already wrote. GLM-4.6 with thinking off ends its prompt `<think></think>` and renders
+    `</think>\\n` before such an answer (the model writes the newline); Qwen3's prompt ends `</think>\\n\\n`, and
+    Nemotron-3 renders `</think>` right before it (the model writes the content directly)."""
+    content_at = r.bare.find(SENTINEL_CONTENT)
+    if content_at < 0:
+        return ""
+    before = r.bare[:content_at]
+    at = before.rfind(close)
+    shown = before[at + len(close) :] if at >= 0 else ""
+    written = prompt_tail[prompt_tail.find(close) + len(close) :]
+    return shown[len(written) :] if not shown.strip() and shown.startswith(written) else ""
 
 
 def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
     """Literals read off a turn that shows the sentinel reasoning before the sentinel content."""
     r_at, c_at = turn.find(SENTINEL_REASONING), turn.find(SENTINEL_CONTENT)
-    pre, mid = turn[:r_at], turn[r_at + len(SENTINEL_REASONING) : c_at]
+    pre, mid = turn[:r_at], _before_tool_call(turn[r_at + len(SENTINEL_REASONING) : c_at], r.controls)
     pad = _trailing_ws(pre)
     if not mid.startswith(pad):
         raise ConfigError(f"chat template pads reasoning asymmetrically ({pre[-20:]!r} ... {mid!r})")
@@ -443,7 +483,7 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
             raise ConfigError(f"chat template: the reasoning in {turn!r} opens without a control token")
         opening, in_prompt = head[at:], True
     elif r.header.startswith(head) and close in r.header[len(head) :]:
-        return _no_reasoning(r.end_of_turn)
+        return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[len(head) :], close))
     else:
         raise ConfigError(
             f"chat template: the generation prompt {r.header!r} does not lead into the rendered turn {turn!r}"
@@ -460,7 +500,7 @@ def _from_hidden_reasoning(r: _Renders) -> tuple[CompletionFormat, frozenset[str
     if before.startswith(r.header):
         emitted = before[len(r.header) :]
         if not emitted.strip():
-            return _no_reasoning(r.end_of_turn), unseen
+            return _no_reasoning(r.end_of_turn, emitted), unseen
         for opening, closing in KNOWN_REASONING_TAGS:
             stripped = emitted.lstrip()
             if stripped.startswith(opening) and stripped[len(opening) :].lstrip().startswith(closing):
