@@ -186,6 +186,10 @@ class StreamFrames:
         ending = [self.finish, *([self.usage] if self.usage is not None else []), DONE]
         return self.frames(self.deltas, ending)
 
+    def without_done(self) -> list[str]:
+        """The whole answer, its finish and usage chunks, and no `[DONE]`."""
+        return self.frames(self.deltas, [self.finish, *([self.usage] if self.usage is not None else [])])
+
     def midstream_error(self) -> list[str]:
         error = self.prefix + '"error":' + _dumps(MIDSTREAM_ERROR)
         error += ',"choices":[{"index":0,"delta":{"content":""},"finish_reason":"error"}]}\n\n'

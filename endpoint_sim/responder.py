@@ -61,6 +61,8 @@ FailureKind = Literal[
     "error_body",
     "finish_error",
     "midstream_error",
+    "late_error_body",
+    "reset_before_done",
     "truncated_json",
     "invalid_json",
     "empty",
@@ -82,7 +84,10 @@ class FailureRule(BaseModel):
     Kinds are the ways a real API answer goes wrong, so a client can be tested against each one:
     "http" (status `status`, Retry-After `retry_after_s`), "context_length" (400), "error_body" (200 with an
     error object), "finish_error" (200, finish_reason "error", half the content, partial billing),
-    "midstream_error" (SSE error chunk, stream ends without [DONE]), "truncated_json" (body or stream cut short),
+    "midstream_error" (SSE error chunk, stream ends without [DONE]), "late_error_body" (an error once generation
+    began, as OpenRouter documents it: a 200 whose body is an error object, with the generation's id, half the
+    content billed; a stream gets it as an error chunk), "reset_before_done" (a stream reset after its finish
+    and usage chunks, before `[DONE]`; billed in full), "truncated_json" (body or stream cut short),
     "invalid_json" (200 text/html), "empty" / "empty_reasoning" (200 with empty texts), "reset" (TCP RST, no
     response), "disconnect" (connection closed, no response), "midstream_reset" (TCP RST halfway through the
     body or stream), "hang" (stall `hang_s`), "echo_key" (400 whose message quotes the Authorization header).

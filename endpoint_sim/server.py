@@ -471,12 +471,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     full = chat_answer(responder, admitted.sample, admitted.ids, admitted.finish)
     billed = _billed_answer(responder, full, kind)
     # A stream that dies midway has already sent pieces of the full answer; the others show what is billed.
-    shown = full if stream and kind == "midstream_error" else billed
+    shown = full if stream and kind in ("midstream_error", "late_error_body") else billed
     gen_id = f"gen-{admitted.attempt}-{admitted.key}"
     meta = ChatMeta(gen_id, admitted.sample.provider, cfg.model_name, int(time.time()))
     usage_ = usage(cfg, len(prompt_ids), billed)
     # Per-token logprobs with bytes (OpenAI's shape) for a whole answer; a broken one carries none.
-    whole = kind is None or kind == "hang"
+    whole = kind in (None, "hang", "reset_before_done")
     pieces = (
         token_pieces(responder, admitted.sample, admitted.ids, admitted.finish) if want_logprobs and whole else None
     )
@@ -490,15 +490,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(admitted.rule.hang_s)
     out = completion_body(meta, shown, usage_, pieces)
     _record(state, admitted, meta, len(prompt_ids), billed, streamed=False)
+    id_header = {GENERATION_ID_HEADER: meta.id} if cfg.generation_id_header else None
+    if kind == "late_error_body":
+        failed = {"id": meta.id, **_error(502, "simulated: the provider failed mid-generation")}
+        return state.respond(200, failed, id_header)
     if kind == "truncated_json":
         return _truncated_json(state, out)
     if kind == "midstream_reset":
         return await _reset_midway(state, request, json.dumps(out).encode())
-    return state.respond(200, out, {GENERATION_ID_HEADER: meta.id} if cfg.generation_id_header else None)
+    return state.respond(200, out, id_header)
 
 
 def _billed_answer(responder: Responder, full: ChatAnswer, kind: str | None) -> ChatAnswer:
-    if kind in ("finish_error", "midstream_error"):
+    if kind in ("finish_error", "midstream_error", "late_error_body"):
         return partial_answer(responder, full)
     if kind == "empty":
         return empty_answer()
@@ -525,12 +529,14 @@ async def _stream(
     """The SSE answer. Frames go out in one write unless a hang or `stream_chunk_delay_s` spaces them; the
     generation is recorded before the last write so a client that saw the end can already look it up."""
     kind = admitted.kind
-    if kind == "midstream_error":
+    if kind in ("midstream_error", "late_error_body"):
         frames = source.midstream_error()
     elif kind == "truncated_json":
         frames = source.truncated()
     elif kind == "midstream_reset":
         frames = source.first_half()
+    elif kind == "reset_before_done":
+        frames = source.without_done()
     else:
         frames = source.complete()
     headers = {**SSE_HEADERS, GENERATION_ID_HEADER: meta.id} if state.config.generation_id_header else SSE_HEADERS
@@ -567,7 +573,7 @@ async def _stream(
         await response.write("".join(frames).encode())
     except ConnectionResetError:  # billed above: the answer was generated, the client left before reading it
         return response
-    if kind == "midstream_reset":
+    if kind in ("midstream_reset", "reset_before_done"):
         _abort(request, rst=True)
         return response
     await response.write_eof()
@@ -605,7 +611,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     reason: dict[str, Any]
     if kind == "empty":
         ids, out_text, reason = (), "", {"type": "stop", "matched": responder.eos_id}
-    elif kind in ("finish_error", "midstream_error"):
+    elif kind in ("finish_error", "midstream_error", "late_error_body"):
         ids = ids[: len(ids) // 2]
         out_text = responder.decode(ids, skip)
         reason = {"type": "abort", "message": f"simulated: request aborted (attempt {attempt})"}

@@ -105,6 +105,31 @@ class RetryableError(Exception):
         return "pending" if self.billed is None else "answered"
 
 
+def _error_body_bill(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[float | None, str | None]:
+    """(billed, generation id) of an HTTP 200 whose body is an error. OpenRouter answers 200 only once the model
+    has started producing output, so the generation may be billed: its usage.cost when the body has one, else
+    unknown (pending at worst case until its generation record settles it). Without a generation id there is
+    no record to settle from and no sign generation began: nothing billed."""
+    header_id = headers.get(GENERATION_ID_HEADER)
+    body_id = body.get("id") if isinstance(body.get("id"), str) else None
+    usage = body.get("usage")
+    reported = usage.get("cost") if isinstance(usage, dict) else None
+    if isinstance(reported, int | float) and not isinstance(reported, bool):
+        return float(reported), header_id or body_id
+    generation_id = header_id or body_id
+    return (None if generation_id else 0.0), generation_id
+
+
+def _whole_before_done(stream: StreamAssembler) -> bool:
+    """A stream cut after its finish_reason and usage chunks but before `[DONE]` (a proxy's idle timeout, a
+    reset on close) holds the whole answer and its bill: buying it again would pay twice for it."""
+    try:
+        stream.close()
+    except MalformedResponseError:
+        return False
+    return stream.finish_reason is not None and stream.usage is not None and stream.error is None
+
+
 class SampleFatalError(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -563,14 +588,20 @@ class EndpointClient:
                 if sent:
                     self._ended(uid, "pending", None, None, "cancelled", worst)
                 raise
-            budget.settle(worst, result.cost_usd or 0.0)
-            self._ended(uid, "answered", result.cost_usd or 0.0, result.generation_id, None, worst)
-            cost += result.cost_usd or 0.0
             latency = time.perf_counter() - started
             # /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of
-            # 404 retries per sample.
-            if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
-                result.billed_cost_usd = await self.lookup_cost(result.generation_id)
+            # 404 retries per sample. Where it answers, it is what the ledger records: an answer without
+            # usage.cost is otherwise priced from the config's table, which is not the bill.
+            paid = result.cost_usd or 0.0
+            try:
+                if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
+                    result.billed_cost_usd = await self.lookup_cost(result.generation_id)
+                    if result.billed_cost_usd is not None:
+                        paid = result.billed_cost_usd
+            finally:  # a cancelled lookup still leaves the answer recorded as answered, at its reported cost
+                budget.settle(worst, paid)
+                self._ended(uid, "answered", paid, result.generation_id, None, worst)
+            cost += result.cost_usd or 0.0  # the row's reported cost; billed_cost_usd beside it shows any drift
             return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
 
     def _admitted(self, tag: AttemptTag | None, worst_usd: float, trial: bool) -> str | None:
@@ -649,7 +680,10 @@ class EndpointClient:
             body = self._json_body(raw)
         if body.get("error"):
             error = self.redact(json.dumps(body["error"], ensure_ascii=False))[:ERROR_SNIPPET_CHARS]
-            raise RetryableError("error_body", f"HTTP 200 carrying an error: {error}")
+            billed, generation_id = _error_body_bill(headers, body)
+            raise RetryableError(
+                "error_body", f"HTTP 200 carrying an error: {error}", billed=billed, generation_id=generation_id
+            )
         try:
             result = parse_response(self.cfg, body, self.markers, prompt_ids, self.tokenizer)
         except MalformedResponseError as exc:
@@ -700,9 +734,10 @@ class EndpointClient:
                 "truncated_stream", self.redact(str(exc)), billed=None, generation_id=stream.generation_id()
             ) from exc
         except (TimeoutError, aiohttp.ClientError) as exc:
-            # Cut mid-stream: billed, but by how much only the generation record can tell.
-            setattr(exc, "generation_id", stream.generation_id())  # noqa: B010
-            raise
+            if not _whole_before_done(stream):
+                # Cut mid-stream: billed, but by how much only the generation record can tell.
+                setattr(exc, "generation_id", stream.generation_id())  # noqa: B010
+                raise
         finally:
             watch.cancel()
         if stream.error is not None:

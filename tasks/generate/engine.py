@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import time
 from collections import Counter
@@ -33,6 +34,7 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig
+from tasks.common.errors import FatalEndpointError
 from tasks.common.failures import failure_class
 from tasks.common.messages import prompt_messages
 from tasks.common.schemas import RESPONSES
@@ -64,10 +66,11 @@ from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
 from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
 from tasks.generate.rerun_policy import resend, settings_fingerprint
 from tasks.generate.run_lock import run_dir_lock
-from tasks.generate.settlement import Settler
+from tasks.generate.settlement import Settler, pending_notice
 from tasks.reconstruct.multiturn import ConversationTurn, template_messages
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESULT_FIELDS = (
     "reasoning",
@@ -611,7 +614,7 @@ async def _generate_async(
                     await run.commit()
             await run.commit()
             await settler.after_run(cfg.run_dir)
-        except BaseException:
+        except BaseException as failure:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
@@ -620,12 +623,28 @@ async def _generate_async(
                     with contextlib.suppress(Exception):
                         run.record(*task.result())
             run.commit_now()
+            if isinstance(failure, FatalEndpointError):
+                raise await _settled_refusal(failure, settler, cfg) from failure
             raise
         finally:
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
             emit(run.snapshot(final=True), listeners)
         return run
+
+
+async def _settled_refusal(exc: FatalEndpointError, settler: Settler, cfg: PipelineConfig) -> FatalEndpointError:
+    """A refusal (402 out of credit, a revoked key) cancels the streams in flight: they were billed for what
+    they generated, and their generation records already say how much. Settled now, the run directory's spend is
+    the bill when the command exits, and the one line it prints says what is still pending."""
+    try:
+        await settler.after_run(cfg.run_dir)
+    except Exception as settle_exc:  # the refusal is the error to report; settlement is retried by the next run
+        log.warning("settling after the endpoint's refusal failed: %s", settle_exc)
+    totals = SpendLedger.load(cfg.run_dir).totals()
+    notice = pending_notice(totals.to_dict(), cfg.endpoint.account_settlement)
+    spent = f" This run directory's recorded spend: {format_usd(totals.billed_usd)} billed."
+    return FatalEndpointError(f"{exc}{spent}" + (f" {notice}" if notice else ""))
 
 
 async def _next_finished(queue: asyncio.Queue[T], timeout_s: float | None) -> list[T]:

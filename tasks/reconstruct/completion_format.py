@@ -281,10 +281,11 @@ def loss_mask_values(loss_on_reasoning: bool, loss_on_end_of_turn: bool) -> tupl
 SENTINEL_USER = "SentinelUserTurnQx7"
 SENTINEL_REASONING = "SentinelReasoningQx7"
 SENTINEL_CONTENT = "SentinelContentQx7"
+SENTINEL_TOOL = "sentinel_tool"
 SENTINEL_TOOL_CALL = {
-    "id": "functions.sentinel_tool:0",
+    "id": f"functions.{SENTINEL_TOOL}:0",
     "type": "function",
-    "function": {"name": "sentinel_tool", "arguments": "{}"},
+    "function": {"name": SENTINEL_TOOL, "arguments": "{}"},
 }
 COMPARED_FIELDS = frozenset(
     {
@@ -434,8 +435,7 @@ def _before_tool_call(mid: str, controls: set[str]) -> str:
     """What closes the reasoning, when the turn renders its tool call between the reasoning and the content
     (Gemma-4: `<channel|><|tool_call>call:sentinel_tool{}<tool_call|>` then the content): everything before the
     control token that opens the call. Left in, the sentinel call would be written into every answer."""
-    name = SENTINEL_TOOL_CALL["function"]["name"]
-    at = mid.find(name)
+    at = mid.find(SENTINEL_TOOL)
     if at < 0:
         return mid
     start = max((mid.rfind(c, 0, at) for c in controls), default=-1)

@@ -1,0 +1,95 @@
+"""Answers the provider billed are counted at what it billed, and a whole answer is never bought twice.
+
+Each case is a way real providers end an answer that an earlier client got wrong: an OpenRouter 200 whose body is
+an error (the model had started, so the generation may be billed), a stream reset after its finish and usage
+chunks but before `[DONE]` (the answer is whole and paid), and answers without `usage.cost` (the price table is an
+estimate; the generation record is the bill).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from endpoint_sim.responder import FailureRule, SimConfig
+from endpoint_sim.server import SimulatorServer
+from tasks.common.config import SamplingConfig
+from tasks.generate.ledger import SpendLedger
+from tests.test_generate_failures import make_cfg, question, responses, run, write_prompts
+
+PROMPTS = 4
+
+
+def _run(tmp_path: Path, tokenizer_dir: Path, sim_cfg: SimConfig, mode: str, **endpoint: object) -> tuple[dict, float]:
+    write_prompts(tmp_path, [question(f"paid-{mode}", i) for i in range(PROMPTS)])
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, mode, SamplingConfig(max_tokens=512), **endpoint)
+        summary = run(cfg, None).total()  # type: ignore[arg-type]
+        provider = float(sim.billing()["total_usd"])
+    return summary, provider
+
+
+@pytest.mark.parametrize("mode", ["chat", "stream"])
+def test_an_error_after_generation_began_is_counted_at_its_bill(mode: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    """OpenRouter answers HTTP 200 with an error body (or an error chunk) once the model has started: half an
+    answer was billed. It is pending until its generation record settles it, never free."""
+    sim_cfg = SimConfig(seed=5, failures=(FailureRule(kind="late_error_body", rate=1.0, attempts=1),))
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, mode)
+    assert summary["done"] == PROMPTS
+    assert summary["retries_by_reason"] == {("error_body" if mode == "chat" else "stream_error"): PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0 and dict(totals.settled_by) == {"generation": PROMPTS}
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+def test_a_stream_reset_after_its_usage_chunk_keeps_the_answer(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Finish and usage arrived, then the connection reset before `[DONE]`: the answer is whole and billed once;
+    sending it again would buy it twice."""
+    sim_cfg = SimConfig(seed=6, failures=(FailureRule(kind="reset_before_done", rate=1.0, attempts=1),))
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "stream")
+    rows = responses(tmp_path).values()
+    assert summary["done"] == PROMPTS and not summary["retries_by_reason"]
+    assert all(r["attempts"] == 1 and r["finish_reason"] == "stop" and r["content"] for r in rows)
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["chat", "stream"])
+def test_an_answer_without_usage_cost_is_counted_at_its_generation_record(
+    mode: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """No usage.cost in the answer: the configured price table (here not the provider's prices) is only an
+    estimate. With `reconcile_cost` the ledger records what the generation record says was billed."""
+    sim_cfg = SimConfig(seed=7, report_cost=False)
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, mode, reconcile_cost=True)
+    assert summary["done"] == PROMPTS
+    rows = responses(tmp_path).values()
+    assert sum(r["billed_cost_usd"] for r in rows) == pytest.approx(provider, abs=1e-12)
+    assert sum(r["cost_usd"] for r in rows) != pytest.approx(provider), "the price table should not be the bill"
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+def test_a_refusal_mid_run_settles_the_streams_it_cut_before_the_command_exits(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """The key runs out of credit (402, no Retry-After) while streams are in flight: they are cancelled, and the
+    provider billed what they generated. The refusal's error settles them from their generation records first,
+    so the spend recorded when the command exits is the bill, and the error says what was spent."""
+    from tasks.common.errors import FatalEndpointError
+
+    write_prompts(tmp_path, [question("refused", i) for i in range(40)])
+    sim_cfg = SimConfig(seed=8, key_limit_usd=0.0004, stream_chunk_delay_s=0.02, latency_s=0.05)
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=512), max_in_flight=8)
+        with pytest.raises(FatalEndpointError, match="recorded spend") as refused:
+            run(cfg, None)  # type: ignore[arg-type]
+        provider = float(sim.billing()["total_usd"])
+    totals = SpendLedger.load(tmp_path).totals()
+    assert "HTTP 402" in str(refused.value)
+    assert totals.settled_by.get("generation", 0) > 0, "no stream was in flight when the key ran out"
+    assert totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
