@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` and `make test`. Both create .venv and install what they need.
+# The README's Quickstart: `make demo`, `make test`, `make test-long` and `make demo-real`. Each creates .venv and
+# installs what it needs.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -64,7 +65,7 @@ test: lint
 	wait $$types; typed=$$?; cat $(VENV)/mypy.log; \
 	test $$tests -eq 0 && test $$typed -eq 0
 
-# What `make test` leaves out to stay under 6 minutes, and CI runs after it: tests whose length is real time (an
+# What `make test` leaves out to stay near 7 minutes, and CI runs after it: tests whose length is real time (an
 # endpoint down for 45 s under the CLI and under Prefect, the five-kill crash loop, two nights of the deployment).
 test-long: $(REAL_STAMP)
 	$(BIN)/python -m pytest -q -m "slow and not gpu and not interop" $(PYTEST_ARGS)

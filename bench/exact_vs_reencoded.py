@@ -132,6 +132,13 @@ def repair_exactness(exact: Path, model_dir: Path) -> dict[str, Any]:
     }
 
 
+def _quick_demo_run(run_dir: Path) -> bool:
+    """`make bench-real` reuses runs/demo-real/own whatever made it; trained at the full budget on a --quick run's
+    few short answers, the two drafters would print a figure of nothing."""
+    summary = run_dir.resolve().parent / "demo_real.json"
+    return summary.is_file() and bool(json.loads(summary.read_text()).get("quick"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "runs" / "bench-exact"))
@@ -141,6 +148,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="the demo's --quick sizes: a smoke run, not a figure")
     args = parser.parse_args()
+    if args.source and not args.quick and _quick_demo_run(Path(args.source)):
+        print(
+            f"error: {args.source} is a `demo --real --quick` run (24 short answers): pass --quick to smoke-test on "
+            "it, or rerun `make demo-real` for a figure",
+            file=sys.stderr,
+        )
+        return 2
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_UI_ENABLED", "false")
     from endpoint_sim.model_backend import ModelResponder

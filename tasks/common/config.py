@@ -210,6 +210,29 @@ class EndpointConfig(StrictModel):
         return None
 
 
+COMPLETION_FORMAT_NAMES: frozenset[str] = frozenset(
+    {
+        "deepseek_v31_instruct",
+        "deepseek_v31_thinking",
+        "deepseek_v32_instruct",
+        "deepseek_v32_thinking",
+        "deepseek_v4_instruct",
+        "deepseek_v4_thinking",
+        "gpt_oss_harmony",
+        "kimi_k25_instruct",
+        "kimi_k25_thinking",
+        "kimi_k2_instruct",
+        "kimi_k2_thinking",
+        "qwen3_2507_thinking",
+        "qwen3_instruct",
+        "qwen3_thinking",
+    }
+)
+"""The names of `tasks.reconstruct.completion_format.PRESETS`, so a config names a known format when it is loaded:
+that module imports transformers (seconds), and config loading reports a typo at once
+(tests/test_config_completion_format.py keeps the two equal)."""
+
+
 class TokenizerConfig(StrictModel):
     path: Path = Field(description="Local model directory (tokenizer files + chat template).")
     revision: str | None = Field(default=None, description="Recorded in provenance; a hash is computed too.")
@@ -219,6 +242,17 @@ class TokenizerConfig(StrictModel):
         default_factory=dict,
         description="Chat-template variables the server renders with (thinking, enable_thinking, reasoning_effort).",
     )
+
+    @field_validator("completion_format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        """A ConfigError, not a ValueError, passes through pydantic as it is: every command prints the same line
+        `generate` prints when it resolves the format, and exits 2, before it reads a dataset or sends anything."""
+        if v != "auto" and v not in COMPLETION_FORMAT_NAMES:
+            raise ConfigError(
+                f"unknown completion_format {v!r}; choose 'auto' or one of {sorted(COMPLETION_FORMAT_NAMES)}"
+            )
+        return v
 
 
 class ReconstructConfig(StrictModel):

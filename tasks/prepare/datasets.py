@@ -88,7 +88,7 @@ def _raw_rows(ds: DatasetConfig) -> Iterator[tuple[int, Any, str | None]]:
                 try:
                     yield i, json.loads(line), None
                 except json.JSONDecodeError as exc:
-                    yield i, line[:500], f"bad JSON: {exc.msg} at column {exc.colno}"
+                    yield i, line[:500], f"bad JSON: {_json_error(exc)}"
     else:
         pf = pq.ParquetFile(ds.path)
         row = 0
@@ -96,6 +96,11 @@ def _raw_rows(ds: DatasetConfig) -> Iterator[tuple[int, Any, str | None]]:
             for record in batch.to_pylist():
                 yield row, record, None
                 row += 1
+
+
+def _json_error(exc: json.JSONDecodeError) -> str:
+    """Some of json's messages end in "at" ("Invalid control character at"), waiting for a position."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
 def normalize_row(row: Any, shape: str) -> list[Message]:
@@ -116,9 +121,11 @@ def normalize_row(row: Any, shape: str) -> list[Message]:
         try:
             turns = json.loads(turns)
         except json.JSONDecodeError as exc:
-            raise MalformedRow(f"{shape} field is a string that is not JSON: {exc.msg}") from exc
-    if not isinstance(turns, list) or not turns:
+            raise MalformedRow(f"{shape} field is a string that is not JSON: {_json_error(exc)}") from exc
+    if not isinstance(turns, list):
         raise MalformedRow(f"{shape} must be a non-empty list, got {type(turns).__name__}")
+    if not turns:
+        raise MalformedRow(f"{shape} must be a non-empty list, got an empty one")
     messages: list[Message] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
