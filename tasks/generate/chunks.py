@@ -6,8 +6,9 @@ replayed in write order and later rows win, except that a "done" row is never re
 been paid for and committed it is final.
 
 <run_dir>/responses/_journal/journal-<token>.log holds every row of a run within its group-commit window
-(`tasks.generate.journal` framing, records {"p": part, "r": row}); it exists only after a run was killed
-(a run compacts the journals it finds into chunks, and deletes its own once everything is in chunks or parts).
+(`tasks.generate.journal` framing, records {"p": part, "r": row}); a journal file outlives only a killed run
+(the folder stays, empty; a run compacts the journals it finds into chunks, and deletes its own once everything
+is in chunks or parts).
 Journal rows replay after the chunks: they are at least as new.
 """
 

@@ -487,7 +487,7 @@ class EndpointClient:
             attempt += 1
             started = time.perf_counter()
             uid: str | None = None  # set once the attempt's "sent" record is written, right before the POST
-            sent = trial = False
+            sent = trial = refused = False
             successes_before, sent_at = self.successes, time.monotonic()
             try:
                 if self._session is None:
@@ -511,6 +511,7 @@ class EndpointClient:
                 try:
                     async with self._session.post(url, data=data) as resp:  # Content-Type: the session's (JSON)
                         status, headers = resp.status, resp.headers
+                        refused = status in RUN_FATAL_STATUS or (status == 402 and "Retry-After" not in headers)
                         header_id = headers.get(GENERATION_ID_HEADER)
                         if header_id and uid is not None and self.ledger is not None:
                             self.ledger.generation(uid, header_id)
@@ -581,11 +582,14 @@ class EndpointClient:
                     self._ended(uid, "answered", 0.0, None, "fatal", worst)
                 raise
             except BaseException:
-                # Cancelled or stopped by an outage: once sent, what it cost is unknown (pending at worst case).
+                # Cancelled or stopped by an outage: once sent, what it cost is unknown (pending at worst case),
+                # unless its status line already said the endpoint refused it (a 402 racing the first one).
                 if trial:
                     breaker.release_trial()
-                budget.settle(worst, worst if sent else 0.0)
-                if sent:
+                budget.settle(worst, worst if sent and not refused else 0.0)
+                if refused:
+                    self._ended(uid, "answered", 0.0, None, "fatal", worst)
+                elif sent:
                     self._ended(uid, "pending", None, None, "cancelled", worst)
                 raise
             latency = time.perf_counter() - started
