@@ -93,3 +93,30 @@ def test_a_refusal_mid_run_settles_the_streams_it_cut_before_the_command_exits(
     assert totals.settled_by.get("generation", 0) > 0, "no stream was in flight when the key ran out"
     assert totals.pending_attempts == 0
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+def test_answers_with_reasoning_for_a_format_without_it_stop_the_run_early(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A format without a reasoning section (a template that never renders reasoning) cannot hold an answer with
+    reasoning: every row would fail at reconstruct after it was paid for. Once the first answers all carry it,
+    the run stops with one config error instead of buying the rest; what was answered is kept."""
+    from tasks.common.errors import ConfigError
+    from tasks.common.shards import PartRef
+    from tasks.generate.endpoints import CompletionMarkers
+    from tasks.generate.engine import generate_parts
+    from tasks.generate.reasoning_guard import FIRST_ANSWERS
+    from tests.test_generate_failures import EOS
+    from tests.test_generate_money import durable_rows
+
+    prompts = 200
+    write_prompts(tmp_path, [question("reasons", i) for i in range(prompts)])
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=9)) as sim:
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=512))
+        no_reasoning = CompletionMarkers(reasoning_close="", end_of_turn=EOS)
+        with pytest.raises(ConfigError, match=f"first {FIRST_ANSWERS} answers all carry reasoning"):
+            generate_parts(cfg, [PartRef(cfg.run_dir, "prompts", 0)], no_reasoning)
+        sent = int(sim.stats()["total_requests"])
+    assert FIRST_ANSWERS <= sent < prompts // 2
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.answered_attempts >= FIRST_ANSWERS
+    kept = [r for r in durable_rows(tmp_path).values() if r["status"] == "done"]
+    assert len(kept) >= FIRST_ANSWERS and all(r["reasoning"] for r in kept)

@@ -64,6 +64,7 @@ from tasks.generate.heap_trim import trimmed_heap
 from tasks.generate.journal import AppendLog
 from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
 from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
+from tasks.generate.reasoning_guard import UnexpectedReasoning
 from tasks.generate.rerun_policy import resend, settings_fingerprint
 from tasks.generate.run_lock import run_dir_lock
 from tasks.generate.settlement import Settler, pending_notice
@@ -350,6 +351,9 @@ class _Run:
         self.started = time.monotonic()
         self.total = sum(len(s.todo) for s in states)
         self._write_lock = asyncio.Lock()
+        self.unexpected_reasoning = UnexpectedReasoning(
+            bool(client.markers.reasoning_close), cfg.tokenizer.completion_format
+        )
 
     def work(self) -> Iterator[tuple[_PartState, _WorkItem]]:
         for state in self.states:
@@ -449,6 +453,8 @@ class _Run:
         state.outstanding -= 1
         self.complete_parts += state.outstanding == 0
         self.uncommitted += 1
+        if result is not None:
+            self.unexpected_reasoning.see(result.reasoning)  # raises once the row above is recorded
 
     def snapshot(self, final: bool = False) -> ProgressSnapshot:
         reasons: Counter[str] = Counter()
