@@ -72,6 +72,9 @@ GENERATION_ID_HEADER = "X-Generation-Id"
 KEY_LABEL = "sk-or-v1-sim...key"
 # Failure kinds that replace the whole response; the others change the answer inside a 200.
 _RESPONSE_KINDS = frozenset({"http", "context_length", "error_body", "invalid_json", "echo_key", "reset", "disconnect"})
+# Generation failed partway: half the content is billed; a stream shows the full answer's first half, then an error.
+_PARTIAL_KINDS = frozenset({"finish_error", "midstream_error", "late_error_body"})
+_ERROR_CHUNK_KINDS = frozenset({"midstream_error", "late_error_body"})
 
 
 class SimState:
@@ -471,7 +474,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     full = chat_answer(responder, admitted.sample, admitted.ids, admitted.finish)
     billed = _billed_answer(responder, full, kind)
     # A stream that dies midway has already sent pieces of the full answer; the others show what is billed.
-    shown = full if stream and kind in ("midstream_error", "late_error_body") else billed
+    shown = full if stream and kind in _ERROR_CHUNK_KINDS else billed
     gen_id = f"gen-{admitted.attempt}-{admitted.key}"
     meta = ChatMeta(gen_id, admitted.sample.provider, cfg.model_name, int(time.time()))
     usage_ = usage(cfg, len(prompt_ids), billed)
@@ -502,7 +505,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _billed_answer(responder: Responder, full: ChatAnswer, kind: str | None) -> ChatAnswer:
-    if kind in ("finish_error", "midstream_error", "late_error_body"):
+    if kind in _PARTIAL_KINDS:
         return partial_answer(responder, full)
     if kind == "empty":
         return empty_answer()
@@ -529,7 +532,7 @@ async def _stream(
     """The SSE answer. Frames go out in one write unless a hang or `stream_chunk_delay_s` spaces them; the
     generation is recorded before the last write so a client that saw the end can already look it up."""
     kind = admitted.kind
-    if kind in ("midstream_error", "late_error_body"):
+    if kind in _ERROR_CHUNK_KINDS:
         frames = source.midstream_error()
     elif kind == "truncated_json":
         frames = source.truncated()
@@ -611,7 +614,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     reason: dict[str, Any]
     if kind == "empty":
         ids, out_text, reason = (), "", {"type": "stop", "matched": responder.eos_id}
-    elif kind in ("finish_error", "midstream_error", "late_error_body"):
+    elif kind in _PARTIAL_KINDS:
         ids = ids[: len(ids) // 2]
         out_text = responder.decode(ids, skip)
         reason = {"type": "abort", "message": f"simulated: request aborted (attempt {attempt})"}

@@ -54,6 +54,7 @@ from tasks.generate.endpoints import (
     build_request,
     generation_lookup_url,
     parse_response,
+    reported_cost,
 )
 from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
 from tasks.generate.ledger import LedgerWriter, Outcome
@@ -76,6 +77,12 @@ CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "
 # Window regrowth per healthy answer: from half of 2,000 back to 2,000 in ~4,000 answers (seconds at full rate).
 GROWTH_PER_SUCCESS = 0.25
 LOOKUP_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def _refuses_run(status: int, retry_after: str | None) -> bool:
+    """401/403/404, or a 402 without Retry-After (no credit, as opposed to OpenRouter's in-flight budget): no
+    request can succeed, and nothing was generated, so nothing was billed."""
+    return status in RUN_FATAL_STATUS or (status == 402 and retry_after is None)
 
 
 class RetryableError(Exception):
@@ -110,13 +117,11 @@ def _error_body_bill(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[
     has started producing output, so the generation may be billed: its usage.cost when the body has one, else
     unknown (pending at worst case until its generation record settles it). Without a generation id there is
     no record to settle from and no sign generation began: nothing billed."""
-    header_id = headers.get(GENERATION_ID_HEADER)
     body_id = body.get("id") if isinstance(body.get("id"), str) else None
-    usage = body.get("usage")
-    reported = usage.get("cost") if isinstance(usage, dict) else None
-    if isinstance(reported, int | float) and not isinstance(reported, bool):
-        return float(reported), header_id or body_id
-    generation_id = header_id or body_id
+    generation_id = headers.get(GENERATION_ID_HEADER) or body_id
+    reported = reported_cost(body.get("usage"))
+    if reported is not None:
+        return reported, generation_id
     return (None if generation_id else 0.0), generation_id
 
 
@@ -511,7 +516,7 @@ class EndpointClient:
                 try:
                     async with self._session.post(url, data=data) as resp:  # Content-Type: the session's (JSON)
                         status, headers = resp.status, resp.headers
-                        refused = status in RUN_FATAL_STATUS or (status == 402 and "Retry-After" not in headers)
+                        refused = _refuses_run(status, headers.get("Retry-After"))
                         header_id = headers.get(GENERATION_ID_HEADER)
                         if header_id and uid is not None and self.ledger is not None:
                             self.ledger.generation(uid, header_id)
@@ -780,7 +785,7 @@ class EndpointClient:
     def _classify_status(self, status: int, retry_after: str | None, snippet: str, url: str) -> None:
         """Raise the error class `status` belongs to; a run-fatal one also stops every later send."""
         wait = parse_retry_after(retry_after)
-        if status in RUN_FATAL_STATUS or (status == 402 and retry_after is None):
+        if _refuses_run(status, retry_after):
             what = {401: "unauthorized", 402: "payment required", 403: "forbidden", 404: "not found"}[status]
             hint = (
                 "check endpoint.base_url and endpoint.model (and provider pinning)"

@@ -169,6 +169,12 @@ def price_cost(cfg: PipelineConfig, prompt_tokens: int | None, completion_tokens
     ) / 1e6
 
 
+def reported_cost(usage: Any) -> float | None:
+    """`usage.cost` as the provider reported it (OpenRouter's usage accounting); None when absent or not a number."""
+    cost = usage.get("cost") if isinstance(usage, dict) else None
+    return float(cost) if isinstance(cost, int | float) and not isinstance(cost, bool) else None
+
+
 def parse_response(
     cfg: PipelineConfig,
     body: dict[str, Any],
@@ -233,10 +239,8 @@ def _parse_chat(
     details = usage.get("completion_tokens_details")
     prompt_tokens = _opt_int(usage.get("prompt_tokens"), "usage.prompt_tokens")
     completion_tokens = _opt_int(usage.get("completion_tokens"), "usage.completion_tokens")
-    reported_cost = usage.get("cost")
-    if isinstance(reported_cost, int | float) and not isinstance(reported_cost, bool):
-        cost: float | None = float(reported_cost)
-    else:
+    cost = reported_cost(usage)
+    if cost is None:
         cost = price_cost(cfg, prompt_tokens, completion_tokens)
     reasoning = _opt_str(reasoning, "message.reasoning")
     content = _opt_str(message.get("content"), "message.content")
