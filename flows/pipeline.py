@@ -347,7 +347,7 @@ def run_pipeline(
     stats: dict[str, Any] = {"run_dir": str(cfg.run_dir), "config": cfg.public_dump()}
     stats["prepare"] = prepare = stage_prepare(cfg, store)
     parts: list[int] = prepare["parts"]
-    stats["completion_format"] = cfg.tokenizer.completion_format
+    stats["completion_format"] = cfg.tokenizer.completion_format_name
     if (run is not None and run.dry_run) or generate_todo(cfg, parts):
         stats["estimate"] = estimate_task(cfg)
     else:  # the estimate would price nothing: no task run, no re-read of every dataset and response part

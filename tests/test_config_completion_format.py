@@ -22,7 +22,10 @@ def test_unknown_completion_format_fails_at_config_load_with_generates_line(
     run_dir = tmp_path / "run"
     for name in ("auto", *sorted(PRESETS)):
         assert load_config(config, {"tokenizer.completion_format": name}).tokenizer.completion_format == name
-    expected = f"unknown completion_format 'foo'; choose 'auto' or one of {sorted(PRESETS)}"
+    expected = (
+        f"unknown completion_format 'foo'; choose 'auto', one of {sorted(PRESETS)}, or write the format out "
+        "(a mapping with end_of_turn, reasoning_open, ...)"
+    )
     with pytest.raises(ConfigError) as refused:
         load_config(config, {"tokenizer.completion_format": "foo"})
     assert str(refused.value) == expected

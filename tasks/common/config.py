@@ -233,11 +233,52 @@ that module imports transformers (seconds), and config loading reports a typo at
 (tests/test_config_completion_format.py keeps the two equal)."""
 
 
+class CompletionFormatSpec(StrictModel):
+    """A completion format written out in the config, for a model no preset fits and whose chat template does not
+    show the layout: SmolLM3, MiMo-VL, Ministral-3-Reasoning and Granite-3.3 reason with thinking on, but their
+    templates never render reasoning, so `auto` can only derive a format without it. The literals are checked
+    against the template wherever it shows them (end of turn always; every field when it renders reasoning), and
+    their control tokens must each encode to one id, before anything is sent."""
+
+    name: str = Field(default="custom", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    reasoning_open: str | None = Field(default=None, min_length=1, description="e.g. '<think>'; None: no reasoning.")
+    open_in_prompt: bool = Field(default=False, description="The generation prompt already ends with the open tag.")
+    reasoning_close: str | None = Field(default=None, min_length=1, description="e.g. '</think>'.")
+    end_of_turn: str = Field(min_length=1, description="The control token that ends the turn, e.g. '<|im_end|>'.")
+    reasoning_pad: str = Field(default="", description="Whitespace inside the tags on both sides of the reasoning.")
+    content_separator: str = Field(default="", description="Text between the close tag and the content.")
+    control_tokens: tuple[str, ...] = Field(
+        default=(),
+        description="Control tokens inside the literals when a literal spans several; default: every token of the "
+        "tokenizer's added-token table, or shaped like one (<...>, <|...|>), found in them.",
+    )
+    pinned_ids: dict[str, int] = Field(
+        default_factory=dict, description="token -> id from the model's published tokenizer_config.json."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_preset(cls, v: str) -> str:
+        if v in COMPLETION_FORMAT_NAMES or v in ("auto", "derived"):
+            raise ValueError(f"a written-out completion format cannot be named {v!r}: that name is taken")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompletionFormatSpec:
+        if (self.reasoning_open is None) != (self.reasoning_close is None):
+            raise ValueError("completion_format: reasoning_open and reasoning_close go together")
+        if self.reasoning_open is None and (self.open_in_prompt or self.reasoning_pad):
+            raise ValueError("completion_format: open_in_prompt / reasoning_pad set on a format without reasoning")
+        return self
+
+
 class TokenizerConfig(StrictModel):
     path: Path = Field(description="Local model directory (tokenizer files + chat template).")
     revision: str | None = Field(default=None, description="Recorded in provenance; a hash is computed too.")
     trust_remote_code: bool = False
-    completion_format: str = Field(default="auto", description="Preset name, or 'auto' to derive it.")
+    completion_format: str | CompletionFormatSpec = Field(
+        default="auto", description="Preset name, 'auto' to derive it from the chat template, or written out."
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Chat-template variables the server renders with (thinking, enable_thinking, reasoning_effort).",
@@ -245,14 +286,21 @@ class TokenizerConfig(StrictModel):
 
     @field_validator("completion_format")
     @classmethod
-    def _known_format(cls, v: str) -> str:
+    def _known_format(cls, v: str | CompletionFormatSpec) -> str | CompletionFormatSpec:
         """A ConfigError, not a ValueError, passes through pydantic as it is: every command prints the same line
         `generate` prints when it resolves the format, and exits 2, before it reads a dataset or sends anything."""
-        if v != "auto" and v not in COMPLETION_FORMAT_NAMES:
+        if isinstance(v, str) and v != "auto" and v not in COMPLETION_FORMAT_NAMES:
             raise ConfigError(
-                f"unknown completion_format {v!r}; choose 'auto' or one of {sorted(COMPLETION_FORMAT_NAMES)}"
+                f"unknown completion_format {v!r}; choose 'auto', one of {sorted(COMPLETION_FORMAT_NAMES)}, or write "
+                "the format out (a mapping with end_of_turn, reasoning_open, ...)"
             )
         return v
+
+    @property
+    def completion_format_name(self) -> str:
+        """The name messages, stats and Parquet rows carry."""
+        fmt = self.completion_format
+        return fmt if isinstance(fmt, str) else fmt.name
 
 
 class ReconstructConfig(StrictModel):

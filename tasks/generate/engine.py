@@ -352,7 +352,7 @@ class _Run:
         self.total = sum(len(s.todo) for s in states)
         self._write_lock = asyncio.Lock()
         self.unexpected_reasoning = UnexpectedReasoning(
-            bool(client.markers.reasoning_close), cfg.tokenizer.completion_format
+            bool(client.markers.reasoning_close), cfg.tokenizer.completion_format_name
         )
 
     def work(self) -> Iterator[tuple[_PartState, _WorkItem]]:

@@ -38,5 +38,7 @@ class UnexpectedReasoning:
                 f"the first {FIRST_ANSWERS} answers all carry reasoning, but tokenizer.completion_format "
                 f"({self.format_name}) has no reasoning section, so no answer can be rebuilt into the ids the model "
                 "emitted; stopped before buying more (what was answered is kept). Use a format with reasoning for "
-                "this model, or turn its thinking off (tokenizer.chat_template_kwargs, sent to the server too)"
+                "this model (a preset, or the format written out under tokenizer.completion_format: reasoning_open, "
+                "reasoning_close, reasoning_pad, content_separator, end_of_turn), or turn its thinking off "
+                "(tokenizer.chat_template_kwargs, sent to the server too)"
             )

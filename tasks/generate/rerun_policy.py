@@ -32,7 +32,7 @@ def settings_fingerprint(cfg: PipelineConfig) -> str:
         "stop": sampling.stop,
         "regenerate": sampling.regenerate,
         "chat_template_kwargs": cfg.tokenizer.chat_template_kwargs,
-        "completion_format": cfg.tokenizer.completion_format,
+        "completion_format": cfg.tokenizer.model_dump(mode="json")["completion_format"],
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

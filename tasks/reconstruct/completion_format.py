@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.common.config import PipelineConfig
+from tasks.common.config import CompletionFormatSpec, PipelineConfig
 from tasks.common.errors import ConfigError
 from tasks.reconstruct.tokenizer_loading import REASONING_KEYS, added_tokens
 
@@ -548,7 +548,8 @@ class FormatCheck:
                 "the chat template renders no reasoning_content in any assistant turn (it drops reasoning): "
                 "ids are built from the generation prompt + generated text only, never by re-rendering"
             )
-        out += [f"{k}: preset {v[0]!r} vs template {v[1]!r}" for k, v in self.differences.items()]
+        who = "preset" if self.preset is None or self.preset.name in PRESETS else "config"
+        out += [f"{k}: {who} {v[0]!r} vs template {v[1]!r}" for k, v in self.differences.items()]
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -606,16 +607,58 @@ def _pins_hold(fmt: CompletionFormat, tokenizer: PreTrainedTokenizerBase) -> boo
     return all(ids.get(s) == i for s, i in fmt.pinned_ids)
 
 
+def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBase) -> CompletionFormat:
+    """A format written out in the config; without `control_tokens` given, the control tokens inside its literals
+    are found as derivation finds them (the tokenizer's added tokens, and anything shaped like one)."""
+    literals = "\x00".join(t for t in (spec.reasoning_open, spec.reasoning_close, spec.end_of_turn) if t)
+    controls = spec.control_tokens or controls_in(
+        literals, set(added_tokens(tokenizer).values()) | set(TAG_LIKE.findall(literals))
+    )
+    return CompletionFormat(
+        spec.name,
+        spec.reasoning_open,
+        spec.open_in_prompt,
+        spec.reasoning_close,
+        spec.end_of_turn,
+        spec.reasoning_pad,
+        spec.content_separator,
+        pinned_ids=tuple(spec.pinned_ids.items()),
+        control_tokens=controls,
+    )
+
+
+def _shown_to_a_written_format(
+    fmt: CompletionFormat, derived: CompletionFormat, seen: frozenset[str], visible: bool, header: str
+) -> tuple[frozenset[str], dict[str, tuple[Any, Any]]]:
+    """What a template that never shows reasoning can still say about a written-out format: its end of turn, and
+    whether the generation prompt already opens the reasoning. Derivation's other fields then describe the layout
+    it had to assume (no reasoning), which is exactly what the written format overrides."""
+    if visible or derived.has_reasoning:
+        return seen, {}
+    extra: dict[str, tuple[Any, Any]] = {}
+    opens = bool(fmt.reasoning_open) and header.rstrip().endswith(fmt.reasoning_open.rstrip())  # type: ignore[union-attr]
+    if fmt.has_reasoning and opens != fmt.open_in_prompt:
+        extra["open_in_prompt"] = (fmt.open_in_prompt, opens)
+    return frozenset({"end_of_turn"}), extra
+
+
 def check_format(
-    name: str, tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None = None
+    name: str | CompletionFormatSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> FormatCheck:
-    """Render the sentinel conversations and compare: `auto` compares against nothing (differences empty)."""
-    if name != "auto" and name not in PRESETS:
+    """Render the sentinel conversations and compare: `auto` compares against nothing (differences empty); a
+    written-out format only on what the template shows."""
+    if isinstance(name, str) and name != "auto" and name not in PRESETS:
         raise ConfigError(f"unknown completion_format {name!r}; choose 'auto' or one of {sorted(PRESETS)}")
     kwargs = dict(template_kwargs or {})
     derived, seen, visible = _derive(tokenizer, kwargs)
-    preset = PRESETS.get(name)
-    diff = format_differences(preset, derived, seen) if preset else {}
+    preset = written_format(name, tokenizer) if isinstance(name, CompletionFormatSpec) else PRESETS.get(name)
+    extra: dict[str, tuple[Any, Any]] = {}
+    if isinstance(name, CompletionFormatSpec) and preset is not None:
+        header = _sentinel_renders(tokenizer, kwargs).header
+        seen, extra = _shown_to_a_written_format(preset, derived, seen, visible, header)
+    diff = {**format_differences(preset, derived, seen), **extra} if preset else {}
     if preset and not _pins_hold(preset, tokenizer):
         ids = {s: i for i, s in added_tokens(tokenizer).items()}
         diff["pinned_ids"] = (dict(preset.pinned_ids), {s: ids.get(s) for s, _ in preset.pinned_ids})
@@ -635,34 +678,38 @@ def derive_format(
 
 
 def resolve_format(
-    name: str,
+    name: str | CompletionFormatSpec,
     tokenizer: PreTrainedTokenizerBase,
     template_kwargs: Mapping[str, Any] | None = None,
     on_disagreement: Literal["fail", "warn"] = "fail",
 ) -> CompletionFormat:
-    """`auto` -> derived from the template; a preset -> that preset, refused (or, with `warn`, logged) if the
-    template contradicts it.
+    """`auto` -> derived from the template; a preset or a written-out format -> that format, refused (or, with
+    `warn`, logged) if the template contradicts it.
 
-    A tokenizer without a chat template cannot contradict a preset, so the preset is used as given; `auto`
-    then has nothing to derive from and fails.
+    A tokenizer without a chat template cannot contradict a format, so it is used as given; `auto` then has
+    nothing to derive from and fails.
     """
     if name == "auto":
         return derive_format(tokenizer, template_kwargs)
-    if name not in PRESETS:
+    if isinstance(name, CompletionFormatSpec):
+        fmt = written_format(name, tokenizer)
+    elif name in PRESETS:
+        fmt = PRESETS[name]
+    else:
         raise ConfigError(f"unknown completion_format {name!r}; choose 'auto' or one of {sorted(PRESETS)}")
-    preset = PRESETS[name]
     if getattr(tokenizer, "chat_template", None) is None:
-        return preset
+        return fmt
     check = check_format(name, tokenizer, template_kwargs)
     if check.differences:
+        kind = "preset" if isinstance(name, str) else "written in the config as"
         message = (
-            f"completion_format preset {name!r} disagrees with the format derived from the tokenizer's chat "
+            f"completion_format {kind} {fmt.name!r} disagrees with the format derived from the tokenizer's chat "
             f"template ({check.derived.describe()}): " + "; ".join(check.notes())
         )
         if on_disagreement == "fail":
             raise ConfigError(message)
-        log.warning("%s (validation.format_disagreement=warn: using the preset)", message)
-    return preset
+        log.warning("%s (validation.format_disagreement=warn: using it as configured)", message)
+    return fmt
 
 
 def format_for(cfg: PipelineConfig, tokenizer: PreTrainedTokenizerBase) -> CompletionFormat:

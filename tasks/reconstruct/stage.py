@@ -467,7 +467,9 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
         "completion_format_spec": fmt.describe(),
         "reconstruct": cfg.reconstruct.model_dump(mode="json"),
     }
-    if fmt.name in PRESETS and getattr(tokenizer, "chat_template", None) is not None:
-        provenance["completion_format_check"] = check_format(fmt.name, tokenizer, kwargs).describe()
+    configured = cfg.tokenizer.completion_format
+    checked = configured if configured != "auto" else fmt.name if fmt.name in PRESETS else None
+    if checked is not None and getattr(tokenizer, "chat_template", None) is not None:
+        provenance["completion_format_check"] = check_format(checked, tokenizer, kwargs).describe()
     write_part(out, table, provenance, stats, build)
     return {**stats, "reused": False}
