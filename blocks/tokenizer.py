@@ -19,7 +19,11 @@ class TokenizerSourceBlock(Block):
     path: str = Field(description="Directory on every worker (never a hub id): tokenizer files + chat template.")
     revision: str | None = Field(default=None, description="Recorded in provenance next to the files' hash.")
     trust_remote_code: bool = False
-    completion_format: str = Field(default="auto", description="Preset name, or 'auto' to derive from the template.")
+    completion_format: str | dict[str, Any] = Field(
+        default="auto",
+        description="Preset name, 'auto' to derive from the template, or the format written out: {name, "
+        "reasoning_open, reasoning_close, reasoning_pad, content_separator, end_of_turn, open_in_prompt, pinned_ids}.",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Template variables the server renders with, e.g. {'thinking': true}."
     )

@@ -66,6 +66,11 @@ def test_tokenizer_and_backend_blocks_convert_to_the_strict_config_sections() ->
         "kimi_k2_thinking",
     )
     assert tok.chat_template_kwargs == {"thinking": True}
+    written = {"name": "smollm3_thinking", "reasoning_open": "<think>", "reasoning_close": "</think>"}
+    smol = TokenizerSourceBlock(path="/models/SmolLM3-3B", completion_format={**written, "end_of_turn": "<|im_end|>"})
+    assert smol.to_tokenizer_config().completion_format_name == "smollm3_thinking"
+    with pytest.raises(ValueError, match="end_of_turn"):
+        TokenizerSourceBlock(path="/models/SmolLM3-3B", completion_format=written).to_tokenizer_config()
     base = ExtractConfig(max_shard_bytes=4096, skip_failed_validation=False)
     ext = HiddenStateBackendBlock(backend="sglang", device="cuda", layers=[2, 30, 57], tp_size=8).to_extract_config(
         base
