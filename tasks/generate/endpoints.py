@@ -215,7 +215,7 @@ def _model_ids(
         return None
     tokens = LogprobTokens()
     tokens.feed(choice.get("logprobs"))
-    return exact_ids(tokens, tokenizer, reasoning, content, markers.reasoning_close)
+    return exact_ids(tokens, tokenizer, reasoning, content, markers.reasoning_close, markers.end_of_turn)
 
 
 def _parse_chat(
@@ -278,6 +278,23 @@ def split_completion(text: str, markers: CompletionMarkers) -> tuple[str | None,
     return (reasoning, content) if found else (text, "")
 
 
+def _ended_turn(
+    text: str, output_ids: list[int] | None, markers: CompletionMarkers, tokenizer: PreTrainedTokenizerBase | None
+) -> bool:
+    """Whether a `/generate` answer reported as cut by length ended its turn: SGLang checks `max_new_tokens`
+    before the stop token, so an answer whose last allowed token is the end of turn comes back as "length"
+    with that id last in `output_ids` (and its text last when special tokens are kept). It is a finished
+    answer; laid out as a truncated one, the model's ids would not spell it and the row would fail."""
+    if not markers.end_of_turn:
+        return False
+    if text.endswith(markers.end_of_turn):
+        return True
+    if not output_ids or tokenizer is None:
+        return False
+    eot = tokenizer.convert_tokens_to_ids(markers.end_of_turn)
+    return isinstance(eot, int) and eot != tokenizer.unk_token_id and output_ids[-1] == eot
+
+
 def _parse_generate(
     cfg: PipelineConfig,
     body: dict[str, Any],
@@ -296,6 +313,8 @@ def _parse_generate(
         raise MalformedResponseError("/generate output_ids must be a list of integers")
     finish = meta.get("finish_reason")
     finish_reason = finish.get("type") if isinstance(finish, dict) else finish
+    if finish_reason == "length" and _ended_turn(text, output_ids, markers, tokenizer):
+        finish_reason = "stop"
     reasoning, content = split_completion(text, markers)
     prompt_tokens = _opt_int(meta.get("prompt_tokens"), "meta_info.prompt_tokens")
     completion_tokens = _opt_int(meta.get("completion_tokens"), "meta_info.completion_tokens")

@@ -162,9 +162,6 @@ class LogprobTokens:
                 else:
                     self.entries.append((token, token.encode()))
 
-    def text(self) -> str:
-        return b"".join(raw for _, raw in self.entries).decode("utf-8", errors="replace")
-
     def wire(self) -> dict[str, Any]:
         """The accumulated entries as one non-streamed `logprobs` object."""
         return {"content": [{"token": t, "bytes": list(raw)} for t, raw in self.entries]}
@@ -175,25 +172,44 @@ def entry(token: str, raw: bytes, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(raw), "top_logprobs": []}
 
 
+def _without_end_of_turn(entries: list[tuple[str, bytes]], end_of_turn: str) -> list[tuple[str, bytes]]:
+    if not entries or not end_of_turn:
+        return entries
+    token, raw = entries[-1]
+    return entries[:-1] if token in (end_of_turn, "") and raw in (b"", end_of_turn.encode()) else entries
+
+
+CUT_CHARACTER_BYTES = "\ufffd".encode()
+"""U+FFFD in an entry's bytes: a provider that builds `bytes` from the decoded token string (not the token's raw
+bytes) reports every token that holds part of a character this way, so the entry no longer names the token the
+model emitted; the answer's last such entry still spells a truncated content that ends in U+FFFD. Such answers
+are re-encoded (a model that emits U+FFFD itself is re-encoded too, to the same id)."""
+
+
 def exact_ids(
     tokens: LogprobTokens,
     tokenizer: PreTrainedTokenizerBase,
     reasoning: str | None,
     content: str | None,
     reasoning_close: str,
+    end_of_turn: str = "",
 ) -> list[int] | None:
     """The model's ids for this answer, when the logprobs cover all of it: their bytes must spell the content
     (no reasoning) or reasoning + close marker + content. None otherwise (no logprobs, only the content's of a
-    reasoning answer, or text the provider changed after sampling): the row is then re-encoded."""
-    if not tokens.entries:
+    reasoning answer, bytes that are not the tokens' own, or text the provider changed after sampling): the
+    row is then re-encoded. The text is spelled by the ids the entries resolve to (a control token found by its
+    string spells its string, whatever bytes the entry carries). A last entry for the end-of-turn token (vLLM lists the stop token, by its string or
+    as an empty one) is not part of the text; it is left out, as reconstruct adds that id itself."""
+    entries = _without_end_of_turn(tokens.entries, end_of_turn)
+    if not entries or any(CUT_CHARACTER_BYTES in raw for _, raw in entries):
         return None
-    spelled = tokens.text()
+    index = token_bytes_index(tokenizer)
+    try:
+        ids = index.ids(entries)
+    except TokenBytesError:
+        return None
+    spelled = b"".join(index.bytes_of[i] for i in ids).decode("utf-8", errors="replace")
     whole = {content or ""} if not reasoning else set()
     if reasoning_close:
         whole.add(f"{reasoning or ''}{reasoning_close}{content or ''}")
-    if spelled not in whole:
-        return None
-    try:
-        return token_bytes_index(tokenizer).ids(tokens.entries)
-    except TokenBytesError:
-        return None
+    return ids if spelled in whole else None

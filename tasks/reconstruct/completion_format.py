@@ -269,6 +269,21 @@ def completion_layout(
     return CompletionLayout(text, len(head), len(body))
 
 
+CUT_CHARACTER = "\ufffd"
+"""What a detokenizer writes for the first bytes of a character whose last bytes were never generated."""
+
+
+def without_cut_character(layout: CompletionLayout) -> CompletionLayout:
+    """A truncated completion's layout less the U+FFFD its text ends with when the generation stopped inside a
+    multi-byte character: re-encoding that U+FFFD gives the id of the replacement character itself, which the
+    model never emitted. The ids of the text before it are what the model emitted (up to the tokenizer's split),
+    so the stored row ends one partial character early instead of ending in a token that is not the model's."""
+    text = layout.text.rstrip(CUT_CHARACTER)
+    if len(text) == len(layout.text) or layout.end_of_turn_start < len(layout.text):
+        return layout
+    return CompletionLayout(text, min(layout.content_start, len(text)), len(text))
+
+
 def completion_text(fmt: CompletionFormat, reasoning: str | None, content: str | None) -> str:
     return completion_layout(fmt, reasoning, content).text
 

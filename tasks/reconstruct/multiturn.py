@@ -21,7 +21,13 @@ from typing import Any, TypedDict
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.errors import ConfigError
-from tasks.reconstruct.completion_format import REASONING_KEYS, CompletionFormat, completion_layout, loss_mask_values
+from tasks.reconstruct.completion_format import (
+    REASONING_KEYS,
+    CompletionFormat,
+    completion_layout,
+    loss_mask_values,
+    without_cut_character,
+)
 from tasks.reconstruct.tokenizer_backend import backend_for
 from tasks.reconstruct.tokenizer_loading import template_message
 
@@ -154,7 +160,9 @@ def build_multiturn_sequence(
             char_spans.append((i, "end_of_turn", found[1], found[1] + len(fmt.end_of_turn)))
 
     final = turns[-1]
-    layout = completion_layout(fmt, final.get("reasoning"), final.get("content"), truncated=truncated)
+    layout = without_cut_character(
+        completion_layout(fmt, final.get("reasoning"), final.get("content"), truncated=truncated)
+    )
     backend = backend_for(tokenizer)
     bounds = [c for _, _, a, b in char_spans for c in (a, b)]
     (context_ids, completion_ids), at = backend.encode_with_boundaries(

@@ -9,7 +9,9 @@ replacement whose two sides decode to the same text, and counts, for each re-enc
 model replaced it and how often it kept it as is. A rule is kept when the model replaced it in most of the places
 the re-encoding produced it (`min_share`) and at least `min_count` times. `apply` rewrites a re-encoded sequence
 left to right with the longest matching rule. Byte-level decoding concatenates token bytes, so a rule never
-changes the text; `apply` checks that anyway.
+changes the text; `apply` checks that anyway. Decoding is lossy only for part of a character (any partial bytes
+decode to the same U+FFFD): a replacement whose text holds U+FFFD may change the bytes, so it never becomes a
+rule (an answer cut inside a character once taught `�` -> another `�`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.reconstruct.completion_format import CUT_CHARACTER
 from tasks.reconstruct.tokenizer_backend import TokenBackend
 
 if TYPE_CHECKING:
@@ -67,7 +70,8 @@ class RepairTable:
                 src, dst = tuple(a[i1:i2]), tuple(b[j1:j2])
                 if not src or not dst or len(src) > MAX_RULE_TOKENS or len(dst) > MAX_RULE_TOKENS:
                     continue
-                if backend.decode(list(src)) != backend.decode(list(dst)):
+                text = backend.decode(list(src))
+                if CUT_CHARACTER in text or text != backend.decode(list(dst)):
                     continue
                 replaced[src] += 1
                 targets.setdefault(src, Counter())[dst] += 1

@@ -37,6 +37,7 @@ from tasks.reconstruct.completion_format import (
     check_format,
     completion_layout,
     loss_mask_values,
+    without_cut_character,
 )
 from tasks.reconstruct.model_ids import model_completion, token_at
 from tasks.reconstruct.multiturn import ConversationTurn, build_multiturn_sequence
@@ -240,9 +241,10 @@ def _final_turn_rows(
     sample_ids = [s.sample_id for s in samples]
     prompts = [render_prompt(tokenizer, prompt_messages(s.messages), template_kwargs) for s in samples]
     layouts = _layouts(fmt, samples)
-    texts = [lay.text for lay in layouts]
+    encoded = [without_cut_character(lay) for lay in layouts]
+    texts = [lay.text for lay in encoded]
     prompt_ids = backend.encode_batch(prompts)
-    completion_ids, at = encode_completions(backend, fmt, layouts)
+    completion_ids, at = encode_completions(backend, fmt, encoded)
     backend.spot_check(prompts, sample_ids, prompt_ids)
     backend.spot_check(texts, sample_ids, completion_ids)
     sources = ["reencoded"] * len(samples)
@@ -258,7 +260,7 @@ def _final_turn_rows(
             continue
         fixed, applied = repair.apply(backend, completion_ids[i])
         if applied:
-            layout = layouts[i]
+            layout = encoded[i]
             completion_ids[i] = fixed
             content_at = token_at(backend, fixed, layout.content_start, len(layout.text))
             at[i] = (content_at, len(fixed) - 1 if layout.end_of_turn_start < len(layout.text) else len(fixed))
