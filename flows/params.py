@@ -29,7 +29,8 @@ class RunParameters(BaseModel):
         default=None, description="Inline config (same keys as the YAML). API keys must come from a block or env."
     )
     overrides: dict[str, Any] = Field(
-        default_factory=dict, description="Dotted keys, e.g. {'endpoint.max_in_flight': 500}."
+        default_factory=dict,
+        description="Dotted keys, e.g. {'endpoint.max_in_flight': 500}; they win over the YAML and the blocks.",
     )
     endpoint_block: str | None = Field(default=None, description="InferenceEndpointBlock name (holds the API key).")
     tokenizer_block: str | None = Field(default=None, description="TokenizerSourceBlock name.")
@@ -115,7 +116,11 @@ def resolve_run(params: RunParameters) -> ResolvedRun:
         update["run_dir"] = block.local_run_dir(cfg.run_dir.name)
         store = block.run_store(cfg.run_dir.name)
     if update:
-        cfg = PipelineConfig.model_validate({**cfg.model_dump(), **{k: _dumpable(v) for k, v in update.items()}})
+        # The run form's overrides are this run's own choices: a block replaces whole sections, so they are put
+        # back on top (a block's max_in_flight silently beat the form's). run_dir stays the store's mapping of it.
+        again = {k: v for k, v in params.overrides.items() if not (k == "run_dir" and store is not None)}
+        data = {**cfg.model_dump(), **{k: _dumpable(v) for k, v in update.items()}}
+        cfg = PipelineConfig.model_validate(apply_overrides(data, again))
     return ResolvedRun(cfg, store)
 
 

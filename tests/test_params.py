@@ -39,6 +39,29 @@ def test_run_form_rejects(params: dict[str, object], message: str) -> None:
         RunParameters.model_validate(params)
 
 
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_run_forms_overrides_win_over_the_blocks() -> None:
+    """A block replaces its whole section; the form's overrides (its own example is endpoint.max_in_flight) used
+    to be dropped under it without a word."""
+    from blocks import InferenceEndpointBlock, TokenizerSourceBlock
+
+    InferenceEndpointBlock(base_url="http://127.0.0.1:9", model="block-model", max_in_flight=64).save(
+        "params-endpoint", overwrite=True
+    )
+    TokenizerSourceBlock(path="/models/block-tokenizer").save("params-tokenizer", overwrite=True)
+    overrides = {"endpoint.max_in_flight": 8, "tokenizer.chat_template_kwargs": {"thinking": True}}
+    resolved = resolve_run(
+        RunParameters(
+            config=INLINE, overrides=overrides, endpoint_block="params-endpoint", tokenizer_block="params-tokenizer"
+        )
+    )
+    ep, tok = resolved.cfg.endpoint, resolved.cfg.tokenizer
+    assert (ep.model, ep.base_url, ep.max_in_flight) == ("block-model", "http://127.0.0.1:9", 8)
+    assert (tok.path, tok.chat_template_kwargs) == (Path("/models/block-tokenizer"), {"thinking": True})
+    plain = resolve_run(RunParameters(config=INLINE, endpoint_block="params-endpoint")).cfg.endpoint
+    assert plain.max_in_flight == 64
+
+
 def test_part_slices_partition_the_parts() -> None:
     slices = [[p for p in range(20) if in_slice(p, f"{i}/8")] for i in range(8)]
     assert sorted(p for s in slices for p in s) == list(range(20))
