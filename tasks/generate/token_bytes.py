@@ -198,8 +198,9 @@ def exact_ids(
     (no reasoning) or reasoning + close marker + content. None otherwise (no logprobs, only the content's of a
     reasoning answer, bytes that are not the tokens' own, or text the provider changed after sampling): the
     row is then re-encoded. The text is spelled by the ids the entries resolve to (a control token found by its
-    string spells its string, whatever bytes the entry carries). A last entry for the end-of-turn token (vLLM lists the stop token, by its string or
-    as an empty one) is not part of the text; it is left out, as reconstruct adds that id itself."""
+    string spells its string, whatever bytes the entry carries). A last entry for the end-of-turn token (vLLM
+    lists the stop token, by its string or as an empty one) is not part of the text; it is left out, as
+    reconstruct adds that id itself."""
     entries = _without_end_of_turn(tokens.entries, end_of_turn)
     if not entries or any(CUT_CHARACTER_BYTES in raw for _, raw in entries):
         return None
