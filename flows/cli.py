@@ -144,7 +144,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(estimate_text(estimate))
     low = estimate.cost_usd("low")
     cap = estimate.max_cost_usd
-    if cap is not None and low is not None and estimate.requests and estimate.spent_usd + low > cap:
+    if cap is not None and low is not None and estimate.requests and estimate.counted_usd + low > cap:
         print(f"error: the low end ${low:.4f} already exceeds endpoint.max_cost_usd=${cap:.4f}", file=sys.stderr)
         return ExitCode.BUDGET
     return ExitCode.OK

@@ -13,8 +13,10 @@ from endpoint_sim.server import SimulatorServer
 from flows.cli import demo_config_path, generate_without_prefect, main
 from tasks.common.config import PipelineConfig, load_config
 from tasks.common.shards import done_parts, read_part
+from tasks.estimate.display import estimate_text
 from tasks.estimate.errors import EstimateOverBudgetError
 from tasks.estimate.estimate import check_budget, estimate_run
+from tasks.generate.ledger import LedgerWriter
 
 
 def _overrides(run_dir: Path, sim: SimulatorServer, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
@@ -80,6 +82,16 @@ def test_demo_estimate_is_within_10_percent_of_the_run_and_sends_nothing(
 
     again = estimate_run(cfg)  # the finished run: nothing left to buy
     assert again.requests == 0 and again.cost_usd("high") == 0.0 and again.spent_usd == pytest.approx(total)
+
+    # Money no done row shows (a paid answer a kill cut before its row was committed, a request still pending
+    # at worst case) is in the ledger, and so in what the estimate says is spent and what the cap check counts.
+    writer = LedgerWriter(cfg.run_dir, 0.0)
+    writer.ended(writer.sent("lost", "ds", 0, 0.05), "answered", 0.004, None, None)
+    writer.ended(writer.sent("cut", "ds", 0, 0.07), "pending", None, None, "killed")
+    writer.close()
+    counted = estimate_run(cfg)
+    assert counted.spent_usd == pytest.approx(total + 0.004) and counted.pending_usd == pytest.approx(0.07)
+    assert "(+ $0.0700 pending at worst case)" in estimate_text(counted)
 
 
 def test_prices_come_from_the_models_listing_when_the_config_has_none(

@@ -54,6 +54,7 @@ def estimate_text(est: RunEstimate, width: int = 160) -> str:
         f"completion lengths: {'; '.join(sources) or 'nothing left to send'}",
         f"cost: low {_usd(cost['low'])}, expected {_usd(cost['expected'])}, high {_usd(cost['high'])}"
         + (f"; already spent {_usd(est.spent_usd)}" if est.spent_usd else "")
+        + (f" (+ {_usd(est.pending_usd)} pending at worst case)" if est.pending_usd else "")
         + (f"; cap endpoint.max_cost_usd {_usd(est.max_cost_usd)}" if est.max_cost_usd is not None else ""),
         f"wall time at max_in_flight={est.max_in_flight}: "
         + (

@@ -24,6 +24,7 @@ from tasks.common.shards import done_parts, read_part
 from tasks.estimate.errors import EstimateOverBudgetError
 from tasks.estimate.prices import Prices, resolve_prices
 from tasks.generate.chunks import STAGE, chunk_dir, chunk_paths, read_chunk
+from tasks.generate.ledger import SpendLedger, SpendTotals
 from tasks.prepare.datasets import MalformedRow, _raw_rows, normalize_row
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
 
@@ -67,6 +68,7 @@ class RunEstimate:
     max_tokens: int
     max_cost_usd: float | None
     spent_usd: float
+    pending_usd: float
     observed_from: str | None
     latency_s_mean: float | None
     latency_s_p90: float | None
@@ -74,6 +76,11 @@ class RunEstimate:
     @property
     def requests(self) -> int:
         return sum(d.requests for d in self.datasets)
+
+    @property
+    def counted_usd(self) -> float:
+        """What the cost cap already counts in this run directory: billed, plus pending at worst case."""
+        return self.spent_usd + self.pending_usd
 
     def cost_usd(self, which: str) -> float | None:
         if not self.prices.known:
@@ -105,6 +112,7 @@ class RunEstimate:
             "max_tokens": self.max_tokens,
             "max_cost_usd": self.max_cost_usd,
             "spent_usd": self.spent_usd,
+            "pending_usd": self.pending_usd,
             "observed_from": self.observed_from,
             "latency_s_mean": self.latency_s_mean,
             "cost_usd": {w: self.cost_usd(w) for w in ("low", "expected", "high")},
@@ -132,11 +140,10 @@ def done_sample_ids(run_dir: Path) -> set[str]:
     return {row["sample_id"] for row in _response_rows(run_dir) if row["status"] == "done"}
 
 
-def spent_usd(run_dir: Path) -> float:
-    total = 0.0
-    for ref in done_parts(run_dir, STAGE):
-        total += sum(c or 0.0 for c in read_part(ref, columns=["cost_usd"])["cost_usd"].to_pylist())
-    return total
+def recorded_spend(run_dir: Path) -> SpendTotals:
+    """The run directory's spend ledger: every attempt ever sent, retries, cut and killed requests included, as
+    the budget of the next run counts it (done rows' `cost_usd` leave all of those out)."""
+    return SpendLedger.load(run_dir).totals()
 
 
 def observe(run_dir: Path) -> Observed:
@@ -215,6 +222,7 @@ def estimate_run(
         _complete(est, observed, cfg.sampling.max_tokens)
         rows.append(est)
     latencies = observed.latencies_s
+    spend = recorded_spend(cfg.run_dir)
     return RunEstimate(
         model=cfg.endpoint.model,
         datasets=rows,
@@ -222,7 +230,8 @@ def estimate_run(
         max_in_flight=cfg.endpoint.max_in_flight,
         max_tokens=cfg.sampling.max_tokens,
         max_cost_usd=cfg.endpoint.max_cost_usd,
-        spent_usd=spent_usd(cfg.run_dir),
+        spent_usd=spend.billed_usd,
+        pending_usd=spend.pending_usd,
         observed_from=str(observed.run_dir) if observed.pooled() else None,
         latency_s_mean=statistics.fmean(latencies) if latencies else None,
         latency_s_p90=_quantile(latencies, 0.9) if latencies else None,
@@ -255,9 +264,10 @@ def check_budget(estimate: RunEstimate) -> None:
     cap = estimate.max_cost_usd
     if cap is None or low is None or not estimate.requests:
         return
-    if estimate.spent_usd + low > cap:
+    if estimate.counted_usd + low > cap:
         raise EstimateOverBudgetError(
-            f"the estimate's low end ${low:.4f} (+ ${estimate.spent_usd:.4f} already spent) exceeds "
+            f"the estimate's low end ${low:.4f} (+ ${estimate.counted_usd:.4f} already counted in the run "
+            f"directory's spend ledger) exceeds "
             f"endpoint.max_cost_usd=${cap:.4f} for {estimate.requests} requests to {estimate.model}: raise "
             "endpoint.max_cost_usd, lower sampling.max_tokens or use fewer samples (datasets[].max_samples)"
         )
