@@ -118,8 +118,10 @@ class SimConfig(BaseModel):
     noncanonical_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     text_mismatch_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     report_cost: bool = True
-    price_prompt_usd_per_mtok: float = Field(default=0.5, ge=0.0)
-    price_completion_usd_per_mtok: float = Field(default=2.0, ge=0.0)
+    # The shipped configs' prices (configs/run.yaml, flows/configs/demo.yaml): answers without usage.cost
+    # (sglang_generate) are recorded at the config's prices, so the simulator bills the same.
+    price_prompt_usd_per_mtok: float = Field(default=0.6, ge=0.0)
+    price_completion_usd_per_mtok: float = Field(default=2.5, ge=0.0)
     failures: tuple[FailureRule, ...] = ()
     auth_fail_all: bool = False
     required_api_key: str | None = None

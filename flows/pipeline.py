@@ -97,6 +97,8 @@ def estimate_task(cfg: PipelineConfig) -> dict[str, Any]:
     estimate = estimate_run(cfg, load_tokenizer(cfg.tokenizer))
     text = estimate_text(estimate)
     get_run_logger().info("estimate before sending anything:\n%s", text)
+    if estimate.prices.disagreement:
+        get_run_logger().warning("%s", estimate.prices.disagreement)
     create_markdown_artifact(key="estimate", markdown=f"# Estimate (nothing sent)\n\n```\n{text}\n```")
     check_budget(estimate)
     return {**estimate.to_dict(), "text": text}

@@ -114,6 +114,19 @@ def test_prices_come_from_the_models_listing_when_the_config_has_none(
     offline = estimate_run(cfg, price_lookup=False)
     assert not offline.prices.known and offline.cost_usd("low") is None
 
+    # Configured prices are checked against the listing: answers without usage.cost are recorded at them.
+    listed = {"price_prompt_usd_per_mtok": sim.config.price_prompt_usd_per_mtok}
+    listed["price_completion_usd_per_mtok"] = sim.config.price_completion_usd_per_mtok
+    agreeing = PipelineConfig.model_validate({**raw, "endpoint": {**raw["endpoint"], **listed}})
+    assert estimate_run(agreeing).prices.disagreement is None
+    wrong = {**listed, "price_completion_usd_per_mtok": listed["price_completion_usd_per_mtok"] * 1.25}
+    differing = PipelineConfig.model_validate({**raw, "endpoint": {**raw["endpoint"], **wrong}})
+    warned = estimate_run(differing)
+    assert warned.prices.source == "endpoint.price_*_usd_per_mtok"
+    assert warned.prices.disagreement and "differ from the endpoint's models listing" in warned.prices.disagreement
+    assert "warning: endpoint.price_*_usd_per_mtok" in estimate_text(warned)
+    assert estimate_run(differing, price_lookup=False).prices.disagreement is None
+
 
 def test_a_cap_below_the_low_end_is_refused_before_anything_is_sent(
     sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

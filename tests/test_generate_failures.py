@@ -524,7 +524,7 @@ def test_budget_cap_stops_the_run_and_a_higher_cap_finishes_it(
 ) -> None:
     samples, cap = 20, 0.004
     # Our price table equals the simulator's, so what a request can cost and what it is billed agree (chat).
-    prices = {"price_prompt_usd_per_mtok": 0.5, "price_completion_usd_per_mtok": 2.0}
+    prices = {"price_prompt_usd_per_mtok": 0.6, "price_completion_usd_per_mtok": 2.5}
     rows = write_prompts(tmp_path, [question(f"budget-{mode}", i) for i in range(samples)])
     sampling = SamplingConfig(max_tokens=600)
     cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, mode, sampling=sampling, max_cost_usd=cap, **prices)

@@ -95,8 +95,8 @@ def write_config(work: Path, base_url: str, tokenizer_dir: Path, *, api_key: str
             "backoff_base_s": 0.01,
             "backoff_max_s": 0.05,
             "commit_every_samples": 3,
-            "price_prompt_usd_per_mtok": 0.5,
-            "price_completion_usd_per_mtok": 2.0,
+            "price_prompt_usd_per_mtok": 0.6,
+            "price_completion_usd_per_mtok": 2.5,
             "progress_every_s": 0.1,
             **endpoint,
             **key,  # last, as people often write it: pydantic's elided repr of the mapping keeps its tail

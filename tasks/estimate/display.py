@@ -51,6 +51,7 @@ def estimate_text(est: RunEstimate, width: int = 160) -> str:
     lines = [
         f"model: {est.model}; requests to send: {est.requests:,}",
         f"prices: ${p.prompt_usd_per_mtok:g} prompt / ${p.completion_usd_per_mtok:g} completion per Mtok ({p.source})",
+        *([f"warning: {p.disagreement}"] if p.disagreement else []),
         f"completion lengths: {'; '.join(sources) or 'nothing left to send'}",
         f"cost: low {_usd(cost['low'])}, expected {_usd(cost['expected'])}, high {_usd(cost['high'])}"
         + (f"; already spent {_usd(est.spent_usd)}" if est.spent_usd else "")

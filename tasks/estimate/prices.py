@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from tasks.common.config import EndpointConfig
+
+PRICE_TOLERANCE_FRAC = 0.005
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,9 @@ class Prices:
     completion_usd_per_mtok: float
     source: str
     known: bool = True
+    disagreement: str | None = None
+    """Set when the config's prices differ from the endpoint's own models listing: answers that carry no
+    `usage.cost` are recorded at the config's prices, so the recorded spend would not be the bill."""
 
 
 def listing_urls(base_url: str) -> list[str]:
@@ -51,11 +57,8 @@ def prices_from_listing(listing: Any, model: str) -> tuple[float, float] | None:
     return None
 
 
-def resolve_prices(ep: EndpointConfig, lookup: bool = True, timeout_s: float = 5.0) -> Prices:
-    if ep.price_prompt_usd_per_mtok or ep.price_completion_usd_per_mtok:
-        return Prices(ep.price_prompt_usd_per_mtok, ep.price_completion_usd_per_mtok, "endpoint.price_*_usd_per_mtok")
-    if not lookup:
-        return Prices(0.0, 0.0, "no prices configured (lookup off)", known=False)
+def _listed_prices(ep: EndpointConfig, timeout_s: float) -> tuple[tuple[float, float, str] | None, list[str]]:
+    """(prompt, completion, url) from the first listing that prices the model, and why each other one did not."""
     reasons = []
     for url in listing_urls(ep.base_url):
         try:
@@ -68,8 +71,35 @@ def resolve_prices(ep: EndpointConfig, lookup: bool = True, timeout_s: float = 5
             reasons.append(f"{url}: {type(exc).__name__}")
             continue
         if found is not None:
-            return Prices(found[0], found[1], f"models listing {url}")
+            return (*found, url), reasons
         reasons.append(f"{url}: no pricing for {ep.model}")
+    return None, reasons
+
+
+def _disagreement(configured: tuple[float, float], listed: tuple[float, float, str]) -> str | None:
+    prompt, completion, url = listed
+    pairs = ((configured[0], prompt), (configured[1], completion))
+    if all(math.isclose(c, x, rel_tol=PRICE_TOLERANCE_FRAC, abs_tol=1e-9) for c, x in pairs):
+        return None
+    return (
+        f"endpoint.price_*_usd_per_mtok (${configured[0]:g} / ${configured[1]:g}) differ from the endpoint's models "
+        f"listing {url} (${prompt:g} / ${completion:g}): answers without usage.cost are recorded at the "
+        "config's prices, so the recorded spend would not be the bill; set the listed prices"
+    )
+
+
+def resolve_prices(ep: EndpointConfig, lookup: bool = True, timeout_s: float = 5.0) -> Prices:
+    """The config's prices, checked against the endpoint's listing when it has one (`lookup`); else the listing's."""
+    if ep.price_prompt_usd_per_mtok or ep.price_completion_usd_per_mtok:
+        configured = (ep.price_prompt_usd_per_mtok, ep.price_completion_usd_per_mtok)
+        listed = _listed_prices(ep, timeout_s)[0] if lookup else None
+        note = _disagreement(configured, listed) if listed is not None else None
+        return Prices(*configured, "endpoint.price_*_usd_per_mtok", disagreement=note)
+    if not lookup:
+        return Prices(0.0, 0.0, "no prices configured (lookup off)", known=False)
+    found, reasons = _listed_prices(ep, timeout_s)
+    if found is not None:
+        return Prices(found[0], found[1], f"models listing {found[2]}")
     if ep.kind == "sglang_generate":
         return Prices(0.0, 0.0, "no prices configured (a self-hosted server: $0)")
     return Prices(0.0, 0.0, "unknown: set endpoint.price_*_usd_per_mtok (" + "; ".join(reasons) + ")", known=False)
