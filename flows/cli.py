@@ -340,6 +340,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tasks.status.report import rerun_summary, run_status, write_failed_file
+    from tasks.status.unfinished import answers_in_unfinished_parts, spend_summary, status_notes
 
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "prompts").is_dir():
@@ -366,6 +367,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     records = status.failure_records()
     if args.json:
         payload = {**status.to_dict(), "failed_file": str(failed_file), "failed_samples": records}
+        payload["spend"] = spend_summary(run_dir)
+        payload["answers_in_unfinished_parts"] = answers_in_unfinished_parts(run_dir)
         print(json.dumps(payload, indent=2, default=str))
     else:
         console = Console() if Console().is_terminal else Console(width=200)
@@ -378,6 +381,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(table)
         if records:
             console.print(failed_samples_table(records, FAILED_SHOWN, str(failed_file)))
+        for line in status_notes(run_dir):
+            print(line)
     if status.failed or status.quarantined:
         print(
             f"{len(status.failed)} failed samples, {len(status.quarantined)} quarantined rows: listed in {failed_file}",

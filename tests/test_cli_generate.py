@@ -108,14 +108,25 @@ def test_generate_completes_prints_the_table_and_the_total(
 def test_budget_cap_exits_3_and_a_higher_cap_continues_without_resending(
     tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # worst case per request ~ 1024 completion tokens * $2/Mtok = $0.002; real answers cost ~ $0.0003
-    config = write_config(tmp_path, sim, tokenizer_dir, max_cost_usd=0.0025, max_in_flight=1, min_in_flight=1)
+    # worst case per request ~ 1024 completion tokens * $2.5/Mtok = $0.0026; real answers cost ~ $0.0004
+    config = write_config(tmp_path, sim, tokenizer_dir, max_cost_usd=0.0032, max_in_flight=1, min_in_flight=1)
     stopped = generate_here(capsys, config, "--no-progress")
     assert stopped.returncode == 3, stopped.stderr
     first = total_line(stopped)
     assert first["stopped"] == "budget" and 0 < first["done"] < SAMPLES
     assert "stopped at the budget cap" in stopped.stderr and "endpoint.max_cost_usd" in stopped.stderr
     assert "Traceback" not in stopped.stderr
+
+    # `status` shows what the stopped run bought: the stage table counts finished parts only, so the answers
+    # committed in the unfinished part and the spend ledger are listed beside it.
+    shown = run_main(capsys, "status", str(tmp_path / "run"), "--json")
+    status = json.loads(shown.stdout)
+    table_done = sum(stages["responses"]["done"] for stages in status["counts"].values())
+    waiting = sum(status["answers_in_unfinished_parts"].values())
+    assert waiting > 0 and table_done + waiting == first["done"]
+    assert status["spend"]["answered_attempts"] == first["done"] and status["spend"]["billed_usd"] > 0
+    text = run_main(capsys, "status", str(tmp_path / "run")).stdout
+    assert f"responses: {waiting} answers" in text and "spend ledger: $" in text
 
     resumed = generate_here(capsys, config, "--no-progress", "--set", "endpoint.max_cost_usd=1.0")
     assert resumed.returncode == 0, resumed.stderr

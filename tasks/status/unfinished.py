@@ -1,0 +1,55 @@
+"""What `status` shows beside the stage counts: answers already paid for that sit in committed chunks of a
+responses part that has not finished (a budget stop or a kill ends a run mid-part), and the run directory's spend
+ledger. The stage counts read finished parts only, so without these a budget-stopped directory showed every
+answer it had bought as missing, and nothing outside a run said what the directory had spent."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tasks.common.shards import PART_RE, done_parts
+from tasks.generate.chunks import STAGE, chunk_dir, chunk_paths, read_chunk
+from tasks.generate.ledger import SpendLedger
+from tasks.generate.progress import format_usd
+
+
+def answers_in_unfinished_parts(run_dir: Path) -> dict[str, int]:
+    """dataset -> samples answered (`done`, a later row of a sample replacing an earlier one) in the committed
+    chunks of responses parts that have no finished part yet."""
+    root = chunk_dir(run_dir, 0).parent
+    if not root.is_dir():
+        return {}
+    finished = {ref.part for ref in done_parts(run_dir, STAGE)}
+    latest: dict[str, tuple[str, str]] = {}
+    for entry in sorted(root.iterdir()):
+        match = PART_RE.match(entry.name + ".parquet")
+        if match is None or int(match.group(1)) in finished:
+            continue
+        for path in chunk_paths(run_dir, int(match.group(1))):
+            for row in read_chunk(path, ["sample_id", "dataset", "status"]):
+                latest[row["sample_id"]] = (row["dataset"], row["status"])
+    return dict(Counter(dataset for dataset, status in latest.values() if status == "done"))
+
+
+def spend_summary(run_dir: Path) -> dict[str, Any]:
+    return SpendLedger.load(run_dir).totals().to_dict()
+
+
+def status_notes(run_dir: Path) -> list[str]:
+    """One line for the spend ledger, one for answers in unfinished parts (when there are any)."""
+    spend = spend_summary(run_dir)
+    lines = [
+        f"spend ledger: {format_usd(spend['billed_usd'])} billed, {format_usd(spend['pending_usd'])} pending at "
+        f"worst case, {spend['attempts']} attempts"
+    ]
+    waiting = answers_in_unfinished_parts(run_dir)
+    if waiting:
+        by = ", ".join(f"{d} {n}" for d, n in sorted(waiting.items()))
+        lines.append(
+            f"responses: {sum(waiting.values())} answers ({by}) are committed in unfinished parts "
+            "(responses/_chunks) and counted as missing until their part finishes; they are kept, and the next "
+            "run does not buy them again"
+        )
+    return lines
