@@ -651,7 +651,7 @@ def _shown_to_a_written_format(
     if visible or derived.has_reasoning:
         return seen, {}
     extra: dict[str, tuple[Any, Any]] = {}
-    opens = bool(fmt.reasoning_open) and header.rstrip().endswith(fmt.reasoning_open.rstrip())  # type: ignore[union-attr]
+    opens = fmt.reasoning_open is not None and header.rstrip().endswith(fmt.reasoning_open.rstrip())
     if fmt.has_reasoning and opens != fmt.open_in_prompt:
         extra["open_in_prompt"] = (fmt.open_in_prompt, opens)
     return frozenset({"end_of_turn"}), extra
@@ -668,11 +668,14 @@ def check_format(
         raise ConfigError(f"unknown completion_format {name!r}; choose 'auto' or one of {sorted(PRESETS)}")
     kwargs = dict(template_kwargs or {})
     derived, seen, visible = _derive(tokenizer, kwargs)
-    preset = written_format(name, tokenizer) if isinstance(name, CompletionFormatSpec) else PRESETS.get(name)
     extra: dict[str, tuple[Any, Any]] = {}
-    if isinstance(name, CompletionFormatSpec) and preset is not None:
+    preset: CompletionFormat | None
+    if isinstance(name, CompletionFormatSpec):
+        preset = written = written_format(name, tokenizer)
         header = _sentinel_renders(tokenizer, kwargs).header
-        seen, extra = _shown_to_a_written_format(preset, derived, seen, visible, header)
+        seen, extra = _shown_to_a_written_format(written, derived, seen, visible, header)
+    else:
+        preset = PRESETS.get(name)
     diff = {**format_differences(preset, derived, seen), **extra} if preset else {}
     if preset and not _pins_hold(preset, tokenizer):
         ids = {s: i for i, s in added_tokens(tokenizer).items()}
