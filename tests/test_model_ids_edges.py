@@ -12,10 +12,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, ReconstructConfig, TokenizerConfig
+from tasks.common.config import (
+    DatasetConfig,
+    EndpointConfig,
+    PipelineConfig,
+    ReconstructConfig,
+    TokenizerConfig,
+    ValidationConfig,
+)
+from tasks.common.schemas import RESPONSES
 from tasks.generate import CompletionMarkers
 from tasks.generate.endpoints import parse_response
 from tasks.generate.token_bytes import LogprobTokens, exact_ids, token_bytes_index
@@ -23,6 +32,7 @@ from tasks.reconstruct.completion_format import resolve_format
 from tasks.reconstruct.repair import RepairTable
 from tasks.reconstruct.stage import SampleText, build_tokens_table
 from tasks.reconstruct.tokenizer_backend import backend_for
+from tasks.validate.checks import validate_tables
 
 EOS = "<｜end▁of▁sentence｜>"
 USER: Any = [{"role": "user", "content": "Spell Zürich."}]
@@ -56,21 +66,43 @@ def test_bytes_built_from_the_token_string_are_never_taken_for_the_models_ids(
     assert exact_ids(lossy, tokenizer, None, "Z\ufffd", "", EOS) is None
 
 
-def test_a_reencoded_answer_cut_inside_a_character_ends_before_it(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Re-encoding the U+FFFD a cut leaves would store U+FFFD's token, which the model never emitted; the row
-    ends one partial character early instead. With the model's ids, those are stored, partial byte included."""
-    fmt = resolve_format("auto", tokenizer, {"thinking": False})
+def test_a_reencoded_answer_cut_inside_a_character_ends_before_its_last_word(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """Re-encoding the U+FFFD a cut leaves would store U+FFFD's token, which the model never emitted, and the
+    model's last token may hold whole characters before the partial one (a space and half an emoji): the row
+    ends before the cut word instead, a prefix of the model's answer, and validation checks it against the same
+    text. With the model's ids, those are stored, partial byte included. U+FFFD inside a re-encoded answer (a
+    broken character the model went on after) fails validation: no re-encoding gives back the model's bytes."""
+    kwargs = {"thinking": False}
+    fmt = resolve_format("auto", tokenizer, kwargs)
     assert not fmt.has_reasoning
-    z, c3 = byte_ids(tokenizer, b"Z", b"\xc3")
-    cut = SampleText("cut", "d", USER, None, "Z\ufffd", "length", None)
-    model = SampleText("model", "d", USER, None, "Z\ufffd", "length", None, output_ids=[z, c3])
-    whole = SampleText("whole", "d", USER, None, "Z\ufffd", "stop", None)
-    table, stats = build_tokens_table(tokenizer, fmt, [cut, model, whole], ReconstructConfig(), {"thinking": False})
-    completions = {r["sample_id"]: r["input_ids"][r["prompt_len"] :] for r in table.to_pylist()}
+    head = tokenizer.encode("It is", add_special_tokens=False)
+    emitted = [*head, *byte_ids(tokenizer, b" ", b"Z", b"\xc3")]
+    samples = [
+        SampleText("cut", "d", USER, None, "It is Z\ufffd", "length", None),
+        SampleText("model", "d", USER, None, "It is Z\ufffd", "length", None, output_ids=emitted),
+        SampleText("broken", "d", USER, None, "It is Z\ufffd!", "stop", None),
+    ]
+    tokens, stats = build_tokens_table(tokenizer, fmt, samples, ReconstructConfig(), kwargs)
+    completions = {r["sample_id"]: r["input_ids"][r["prompt_len"] :] for r in tokens.to_pylist()}
+    assert completions["cut"] == head
+    assert completions["model"] == emitted and stats["model_rows"] == 1
     replacement = tokenizer.encode("\ufffd", add_special_tokens=False)
-    assert completions["cut"] == tokenizer.encode("Z", add_special_tokens=False) == [z]
-    assert completions["model"] == [z, c3] and stats["model_rows"] == 1
-    assert completions["whole"] == [z, *replacement, tokenizer.convert_tokens_to_ids(EOS)]
+    assert replacement[0] in completions["broken"]
+
+    rows = [
+        {"sample_id": s.sample_id, "dataset": "d", "status": "done", "content": s.content}
+        | {"finish_reason": s.finish_reason, "attempts": 1, "output_ids": s.output_ids}
+        for s in samples
+    ]
+    responses = pa.Table.from_pylist(rows, schema=RESPONSES)
+    vcfg = ValidationConfig(allowed_finish_reasons=["stop", "length"])
+    table, _ = validate_tables(tokens, responses, fmt, backend_for(tokenizer), vcfg)
+    checks = {r["sample_id"]: r for r in table.to_pylist()}
+    assert checks["cut"]["verdict"] == "pass" and checks["model"]["verdict"] != "fail", checks
+    assert "replacement_character" in checks["broken"]["structural_issues"]
+    assert checks["broken"]["verdict"] == "fail"
 
 
 @pytest.mark.parametrize("stop_entry", [(EOS, EOS.encode()), ("", b""), (EOS, b"")])

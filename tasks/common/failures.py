@@ -73,7 +73,10 @@ def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "trans
     if retry_failed == "all":
         return "retried by the next run (endpoint.retry_failed: all)"
     if reason == "length":
-        return "only after sampling.max_tokens is raised (or keep_length_truncated), or with --retry-failed all"
+        return (
+            "only after sampling.max_tokens is raised (a cut final answer is also kept by "
+            "endpoint.keep_length_truncated; a cut earlier turn never is), or with --retry-failed all"
+        )
     if reason == "context_length":
         return "never as sent: the prompt exceeds the context; only after the model or the prompt changes"
     return (

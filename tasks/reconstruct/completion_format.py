@@ -270,18 +270,28 @@ def completion_layout(
 
 
 CUT_CHARACTER = "\ufffd"
-"""What a detokenizer writes for the first bytes of a character whose last bytes were never generated."""
+"""What a detokenizer writes for the bytes of a character the model never finished."""
+_LAST_WORD = re.compile(r"\s*\S*\Z")
 
 
-def without_cut_character(layout: CompletionLayout) -> CompletionLayout:
-    """A truncated completion's layout less the U+FFFD its text ends with when the generation stopped inside a
-    multi-byte character: re-encoding that U+FFFD gives the id of the replacement character itself, which the
-    model never emitted. The ids of the text before it are what the model emitted (up to the tokenizer's split),
-    so the stored row ends one partial character early instead of ending in a token that is not the model's."""
+def without_cut_character(fmt: CompletionFormat, layout: CompletionLayout) -> CompletionLayout:
+    """A truncated completion's layout less its last word when the generation stopped inside a multi-byte
+    character (the text ends in U+FFFD). Re-encoding that U+FFFD gives the id of the replacement character itself,
+    which the model never emitted; and the model's last token may hold whole characters before the partial one
+    (SmolLM2's `ĠðŁ` is a space and half an emoji, `Ð¾Ð` a letter and half the next), so only text that ends
+    where a word does, before its whitespace, ends where one of the model's tokens ends. The stored row is then a
+    prefix of the model's answer. The cut is never taken below the section it is in (content, or reasoning after
+    the format's own opening)."""
     text = layout.text.rstrip(CUT_CHARACTER)
     if len(text) == len(layout.text) or layout.end_of_turn_start < len(layout.text):
         return layout
-    return CompletionLayout(text, min(layout.content_start, len(text)), len(text))
+    if layout.content_start < len(layout.text):
+        floor = layout.content_start
+    else:
+        floor = 0 if fmt.open_in_prompt else len(f"{fmt.reasoning_open or ''}{fmt.reasoning_pad}")
+    floor = min(floor, len(text))
+    kept = text[:floor] + _LAST_WORD.sub("", text[floor:])
+    return CompletionLayout(kept, min(layout.content_start, len(kept)), len(kept))
 
 
 def completion_text(fmt: CompletionFormat, reasoning: str | None, content: str | None) -> str:

@@ -161,7 +161,7 @@ def build_multiturn_sequence(
 
     final = turns[-1]
     layout = without_cut_character(
-        completion_layout(fmt, final.get("reasoning"), final.get("content"), truncated=truncated)
+        fmt, completion_layout(fmt, final.get("reasoning"), final.get("content"), truncated=truncated)
     )
     backend = backend_for(tokenizer)
     bounds = [c for _, _, a, b in char_spans for c in (a, b)]

@@ -241,7 +241,7 @@ def _final_turn_rows(
     sample_ids = [s.sample_id for s in samples]
     prompts = [render_prompt(tokenizer, prompt_messages(s.messages), template_kwargs) for s in samples]
     layouts = _layouts(fmt, samples)
-    encoded = [without_cut_character(lay) for lay in layouts]
+    encoded = [without_cut_character(fmt, lay) for lay in layouts]
     texts = [lay.text for lay in encoded]
     prompt_ids = backend.encode_batch(prompts)
     completion_ids, at = encode_completions(backend, fmt, encoded)

@@ -32,8 +32,10 @@ sample always is):
   the reasoning or content beyond the format's own (`<|im_end|>` in the content, a doubled `<think>` across
   the prompt boundary, ...), in the final answer or an earlier regenerated one (`history_*`), a finish_reason
   outside `validation.allowed_finish_reasons` (the sequence is not a complete turn), ids that do not decode
-  back to the completion text (`roundtrip_mismatch`); empty reasoning in a thinking format (hidden reasoning,
-  `validation.empty_reasoning`), tool-call markup under `validation.tool_call_policy: fail`.
+  back to the completion text (`roundtrip_mismatch`), re-encoded text holding U+FFFD (`replacement_character`:
+  the model emitted the bytes of a broken character there, which no re-encoding gives back); empty reasoning in
+  a thinking format (hidden reasoning, `validation.empty_reasoning`), tool-call markup under
+  `validation.tool_call_policy: fail`.
 - drop: tool-call markup under `tool_call_policy: drop` (excluded, not counted as a failure).
 - warn: a bpe_artifact, empty content, malformed tool-call text, tool-call markup under `keep`, empty reasoning
   under `empty_reasoning: warn`, prompt-token drift, or a billing delta beyond `validation.billing_tolerance_frac`.
@@ -57,12 +59,14 @@ from tasks.common.errors import ConfigError, ReconstructionError, ValidationGate
 from tasks.common.schemas import VALIDATION
 from tasks.common.shards import PartRef, done_parts, expected_build, is_current, read_marker, read_part, write_part
 from tasks.reconstruct.completion_format import (
+    CUT_CHARACTER,
     KNOWN_REASONING_TAGS,
     CompletionFormat,
     CompletionLayout,
     completion_layout,
     controls_in,
     normalized_parts,
+    without_cut_character,
 )
 from tasks.reconstruct.stage import TOKEN_SOURCES
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
@@ -96,6 +100,7 @@ TEXT_FAIL_ISSUES = frozenset(
 FAIL_ISSUES = (
     TEXT_FAIL_ISSUES
     | {"finish_reason", "roundtrip_mismatch", "doubled_open_tag", "open_tag_missing", "model_ids_mismatch"}
+    | {"replacement_character"}
     | {f"history_{c}" for c in TEXT_FAIL_ISSUES}
 )
 WARN_ISSUES = frozenset({"empty_content", "tool_call_unclosed", "tool_call_invalid_json", "prompt_drift"})
@@ -419,12 +424,13 @@ def validate_tables(
     tol = vcfg.billing_tolerance_frac
     sources = tokens.column("token_source").to_pylist()
     layouts = []
-    for sid in sample_ids:
+    for sid, source in zip(sample_ids, sources, strict=True):
         r = by_id.get(sid)
         if r is None:
             raise ReconstructionError(sid, "tokens row has no done response in the responses part")
         truncated = resp["finish_reason"][r] == "length"
-        layouts.append(completion_layout(fmt, resp["reasoning"][r], resp["content"][r], truncated=truncated))
+        layout = completion_layout(fmt, resp["reasoning"][r], resp["content"][r], truncated=truncated)
+        layouts.append(layout if source == "model" else without_cut_character(fmt, layout))
     not_reencoded = [i for i, src in enumerate(sources) if src in ("model", "repaired")]
     reencoded = dict(zip(not_reencoded, backend.encode_batch([layouts[i].text for i in not_reencoded]), strict=True))
 
@@ -448,6 +454,8 @@ def validate_tables(
         issues += history_issues(fmt, resp["history"][r], control)
         if decoded[i] != layout.text:
             issues.append("roundtrip_mismatch")
+        if sources[i] != "model" and CUT_CHARACTER in layout.text:
+            issues.append("replacement_character")
         reference = output_ids[r].as_py() if has_output[r] else None
         stored = completions[i].tolist()
         ref = compare_reference(backend, reencoded.get(i, stored), reference, control.end_of_turn_id)
