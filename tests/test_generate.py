@@ -115,7 +115,9 @@ def test_openai_chat_rows_across_parts(
             assert out["prompt_tokens"] == len(prompt_ids)
             assert out["completion_tokens"] == len(sample.output_ids)
             assert out["reasoning_tokens"] == sample.reasoning_tokens
-            assert out["cost_usd"] == pytest.approx((len(prompt_ids) * 0.5 + len(sample.output_ids) * 2.0) / 1e6)
+            prices = (sim.config.price_prompt_usd_per_mtok, sim.config.price_completion_usd_per_mtok)
+            billed = (len(prompt_ids) * prices[0] + len(sample.output_ids) * prices[1]) / 1e6
+            assert out["cost_usd"] == pytest.approx(billed)
             assert out["provider"] == sample.provider
             assert out["model"] == BASELINE.model_name
             assert out["generation_id"] == f"gen-1-{sample.key}"

@@ -100,7 +100,8 @@ def test_a_reencoded_answer_cut_inside_a_character_ends_before_its_last_word(
     vcfg = ValidationConfig(allowed_finish_reasons=["stop", "length"])
     table, _ = validate_tables(tokens, responses, fmt, backend_for(tokenizer), vcfg)
     checks = {r["sample_id"]: r for r in table.to_pylist()}
-    assert checks["cut"]["verdict"] == "pass" and checks["model"]["verdict"] != "fail", checks
+    assert checks["cut"]["verdict"] == "warn" and checks["model"]["verdict"] != "fail", checks
+    assert checks["cut"]["structural_issues"] == ["cut_inside_character:5 of 8 characters kept"]
     assert "replacement_character" in checks["broken"]["structural_issues"]
     assert checks["broken"]["verdict"] == "fail"
 

@@ -51,7 +51,8 @@ def test_chat_completion_has_openrouter_shape_and_billing(
     assert usage["total_tokens"] == len(prompt_ids) + len(sample.output_ids)
     reasoning_ids = tokenizer.encode(sample.reasoning, add_special_tokens=False)
     assert usage["completion_tokens_details"]["reasoning_tokens"] == len(reasoning_ids)
-    assert usage["cost"] == pytest.approx((len(prompt_ids) * 0.5 + len(sample.output_ids) * 2.0) / 1e6)
+    prices = (BASELINE.price_prompt_usd_per_mtok, BASELINE.price_completion_usd_per_mtok)
+    assert usage["cost"] == pytest.approx((len(prompt_ids) * prices[0] + len(sample.output_ids) * prices[1]) / 1e6)
 
 
 def test_generate_returns_text_with_close_marker_and_exact_ids(

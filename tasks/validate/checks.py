@@ -37,8 +37,9 @@ sample always is):
   a thinking format (hidden reasoning, `validation.empty_reasoning`), tool-call markup under
   `validation.tool_call_policy: fail`.
 - drop: tool-call markup under `tool_call_policy: drop` (excluded, not counted as a failure).
-- warn: a bpe_artifact, empty content, malformed tool-call text, tool-call markup under `keep`, empty reasoning
-  under `empty_reasoning: warn`, prompt-token drift, or a billing delta beyond `validation.billing_tolerance_frac`.
+- warn: a bpe_artifact, empty content, an answer cut inside a character (stored up to its last whole word),
+  malformed tool-call text, tool-call markup under `keep`, empty reasoning under `empty_reasoning: warn`,
+  prompt-token drift, or a billing delta beyond `validation.billing_tolerance_frac`.
 - pass: everything else.
 """
 
@@ -103,7 +104,9 @@ FAIL_ISSUES = (
     | {"replacement_character"}
     | {f"history_{c}" for c in TEXT_FAIL_ISSUES}
 )
-WARN_ISSUES = frozenset({"empty_content", "tool_call_unclosed", "tool_call_invalid_json", "prompt_drift"})
+WARN_ISSUES = frozenset(
+    {"empty_content", "tool_call_unclosed", "tool_call_invalid_json", "prompt_drift", "cut_inside_character"}
+)
 THINK_MARKERS = tuple(tag for pair in KNOWN_REASONING_TAGS for tag in pair)
 # Single control tokens of tool-call markup (every family): handled by `validation.tool_call_policy`, not as stray
 # special tokens.
@@ -424,13 +427,17 @@ def validate_tables(
     tol = vcfg.billing_tolerance_frac
     sources = tokens.column("token_source").to_pylist()
     layouts = []
+    cut: dict[str, int] = {}
     for sid, source in zip(sample_ids, sources, strict=True):
         r = by_id.get(sid)
         if r is None:
             raise ReconstructionError(sid, "tokens row has no done response in the responses part")
         truncated = resp["finish_reason"][r] == "length"
         layout = completion_layout(fmt, resp["reasoning"][r], resp["content"][r], truncated=truncated)
-        layouts.append(layout if source == "model" else without_cut_character(fmt, layout))
+        stored = layout if source == "model" else without_cut_character(fmt, layout)
+        if stored is not layout:
+            cut[sid] = len(layout.text)
+        layouts.append(stored)
     not_reencoded = [i for i, src in enumerate(sources) if src in ("model", "repaired")]
     reencoded = dict(zip(not_reencoded, backend.encode_batch([layouts[i].text for i in not_reencoded]), strict=True))
 
@@ -456,6 +463,8 @@ def validate_tables(
             issues.append("roundtrip_mismatch")
         if sources[i] != "model" and CUT_CHARACTER in layout.text:
             issues.append("replacement_character")
+        if sid in cut:
+            issues.append(f"cut_inside_character:{len(layout.text)} of {cut[sid]} characters kept")
         reference = output_ids[r].as_py() if has_output[r] else None
         stored = completions[i].tolist()
         ref = compare_reference(backend, reencoded.get(i, stored), reference, control.end_of_turn_id)
