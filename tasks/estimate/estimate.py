@@ -23,7 +23,7 @@ from tasks.common.messages import Message, response_sample_id, sample_id
 from tasks.common.shards import done_parts, read_part
 from tasks.estimate.errors import EstimateOverBudgetError
 from tasks.estimate.prices import Prices, resolve_prices
-from tasks.generate.chunks import STAGE, chunk_dir, chunk_paths, read_chunk
+from tasks.generate.chunks import STAGE, unfinished_chunk_rows
 from tasks.generate.ledger import SpendLedger, SpendTotals
 from tasks.prepare.datasets import MalformedRow, _raw_rows, normalize_row
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
@@ -126,14 +126,7 @@ def _response_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
     for ref in done_parts(run_dir, STAGE):
         finished.add(ref.part)
         yield from read_part(ref, columns=OBSERVED_COLUMNS).to_pylist()
-    chunks_root = chunk_dir(run_dir, 0).parent
-    if chunks_root.is_dir():
-        for entry in sorted(chunks_root.iterdir()):
-            part = int(entry.name.split("-")[1]) if entry.name.startswith("part-") else None
-            if part is None or part in finished:
-                continue
-            for path in chunk_paths(run_dir, part):
-                yield from read_chunk(path, OBSERVED_COLUMNS)
+    yield from unfinished_chunk_rows(run_dir, finished, OBSERVED_COLUMNS)
 
 
 def done_sample_ids(run_dir: Path) -> set[str]:

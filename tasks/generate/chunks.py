@@ -14,6 +14,7 @@ Journal rows replay after the chunks: they are at least as new.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,20 @@ def chunk_paths(run_dir: Path, part: int) -> list[Path]:
     if not cdir.is_dir():
         return []
     return sorted(cdir.glob("chunk-*.parquet"), key=chunk_index)
+
+
+def unfinished_chunk_rows(run_dir: Path, finished: set[int], columns: list[str]) -> Iterator[dict[str, Any]]:
+    """The rows of the committed chunks of every responses part not in `finished`, part by part in write order
+    (a later row of a sample replaces an earlier one): what a budget stop or a kill left of an unfinished part."""
+    root = chunk_dir(run_dir, 0).parent
+    if not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        part = int(entry.name.split("-")[1]) if entry.name.startswith("part-") else None
+        if part is None or part in finished:
+            continue
+        for path in chunk_paths(run_dir, part):
+            yield from read_chunk(path, columns)
 
 
 def read_chunk(path: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.errors import DatagenError
+from tasks.reconstruct.completion_format import CUT_CHARACTER
 from tasks.reconstruct.tokenizer_loading import added_tokens
 
 
@@ -179,7 +180,7 @@ def _without_end_of_turn(entries: list[tuple[str, bytes]], end_of_turn: str) -> 
     return entries[:-1] if token in (end_of_turn, "") and raw in (b"", end_of_turn.encode()) else entries
 
 
-CUT_CHARACTER_BYTES = "\ufffd".encode()
+CUT_CHARACTER_BYTES = CUT_CHARACTER.encode()
 """U+FFFD in an entry's bytes: a provider that builds `bytes` from the decoded token string (not the token's raw
 bytes) reports every token that holds part of a character this way, so the entry no longer names the token the
 model emitted; the answer's last such entry still spells a truncated content that ends in U+FFFD. Such answers

@@ -9,8 +9,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tasks.common.shards import PART_RE, done_parts
-from tasks.generate.chunks import STAGE, chunk_dir, chunk_paths, read_chunk
+from tasks.common.shards import done_parts
+from tasks.generate.chunks import STAGE, unfinished_chunk_rows
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.progress import format_usd
 
@@ -18,19 +18,9 @@ from tasks.generate.progress import format_usd
 def answers_in_unfinished_parts(run_dir: Path) -> dict[str, int]:
     """dataset -> samples answered (`done`, a later row of a sample replacing an earlier one) in the committed
     chunks of responses parts that have no finished part yet."""
-    root = chunk_dir(run_dir, 0).parent
-    if not root.is_dir():
-        return {}
     finished = {ref.part for ref in done_parts(run_dir, STAGE)}
-    latest: dict[str, tuple[str, str]] = {}
-    for entry in sorted(root.iterdir()):
-        match = PART_RE.match(entry.name + ".parquet")
-        if match is None or int(match.group(1)) in finished:
-            continue
-        for path in chunk_paths(run_dir, int(match.group(1))):
-            for row in read_chunk(path, ["sample_id", "dataset", "status"]):
-                latest[row["sample_id"]] = (row["dataset"], row["status"])
-    return dict(Counter(dataset for dataset, status in latest.values() if status == "done"))
+    latest = {r["sample_id"]: r for r in unfinished_chunk_rows(run_dir, finished, ["sample_id", "dataset", "status"])}
+    return dict(Counter(r["dataset"] for r in latest.values() if r["status"] == "done"))
 
 
 def spend_summary(run_dir: Path) -> dict[str, Any]:
