@@ -118,7 +118,7 @@ def resolve_run(params: RunParameters) -> ResolvedRun:
     if update:
         # The run form's overrides are this run's own choices: a block replaces whole sections, so they are put
         # back on top (a block's max_in_flight silently beat the form's). run_dir stays the store's mapping of it.
-        again = {k: v for k, v in params.overrides.items() if not (k == "run_dir" and store is not None)}
+        again = {k: v for k, v in params.overrides.items() if not (k == "run_dir" and params.artifact_store_block)}
         data = {**cfg.model_dump(), **{k: _dumpable(v) for k, v in update.items()}}
         cfg = PipelineConfig.model_validate(apply_overrides(data, again))
     return ResolvedRun(cfg, store)

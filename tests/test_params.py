@@ -40,10 +40,10 @@ def test_run_form_rejects(params: dict[str, object], message: str) -> None:
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_the_run_forms_overrides_win_over_the_blocks() -> None:
+def test_the_run_forms_overrides_win_over_the_blocks(tmp_path: Path) -> None:
     """A block replaces its whole section; the form's overrides (its own example is endpoint.max_in_flight) used
     to be dropped under it without a word."""
-    from blocks import InferenceEndpointBlock, TokenizerSourceBlock
+    from blocks import ArtifactStoreBlock, InferenceEndpointBlock, TokenizerSourceBlock
 
     InferenceEndpointBlock(base_url="http://127.0.0.1:9", model="block-model", max_in_flight=64).save(
         "params-endpoint", overwrite=True
@@ -60,6 +60,13 @@ def test_the_run_forms_overrides_win_over_the_blocks() -> None:
     assert (tok.path, tok.chat_template_kwargs) == (Path("/models/block-tokenizer"), {"thinking": True})
     plain = resolve_run(RunParameters(config=INLINE, endpoint_block="params-endpoint")).cfg.endpoint
     assert plain.max_in_flight == 64
+
+    # An overridden run_dir names the run inside the store block's location, local or not.
+    ArtifactStoreBlock(location=str(tmp_path / "runs")).save("params-store", overwrite=True)
+    stored = resolve_run(
+        RunParameters(config=INLINE, overrides={"run_dir": "nightly", **overrides}, artifact_store_block="params-store")
+    )
+    assert stored.cfg.run_dir == tmp_path / "runs" / "nightly" and stored.cfg.endpoint.max_in_flight == 8
 
 
 def test_part_slices_partition_the_parts() -> None:
