@@ -233,6 +233,18 @@ that module imports transformers (seconds), and config loading reports a typo at
 (tests/test_config_completion_format.py keeps the two equal)."""
 
 
+def format_fields_problem(
+    reasoning_open: str | None, reasoning_close: str | None, open_in_prompt: bool, reasoning_pad: str
+) -> str | None:
+    """What makes a completion format's reasoning fields inconsistent, or None: checked where a format is written
+    in the config (at load, without importing transformers) and where any format is built."""
+    if (reasoning_open is None) != (reasoning_close is None):
+        return "reasoning_open and reasoning_close go together"
+    if reasoning_open is None and (open_in_prompt or reasoning_pad):
+        return "open_in_prompt / reasoning_pad set on a format without reasoning"
+    return None
+
+
 class CompletionFormatSpec(StrictModel):
     """A completion format written out in the config, for a model no preset fits and whose chat template does not
     show the layout: SmolLM3, MiMo-VL, Ministral-3-Reasoning and Granite-3.3 reason with thinking on, but their
@@ -265,10 +277,11 @@ class CompletionFormatSpec(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> CompletionFormatSpec:
-        if (self.reasoning_open is None) != (self.reasoning_close is None):
-            raise ValueError("completion_format: reasoning_open and reasoning_close go together")
-        if self.reasoning_open is None and (self.open_in_prompt or self.reasoning_pad):
-            raise ValueError("completion_format: open_in_prompt / reasoning_pad set on a format without reasoning")
+        problem = format_fields_problem(
+            self.reasoning_open, self.reasoning_close, self.open_in_prompt, self.reasoning_pad
+        )
+        if problem:
+            raise ValueError(f"completion_format: {problem}")
         return self
 
 

@@ -289,10 +289,16 @@ def _ended_turn(
         return False
     if text.endswith(markers.end_of_turn):
         return True
-    if not output_ids or tokenizer is None:
-        return False
-    eot = tokenizer.convert_tokens_to_ids(markers.end_of_turn)
-    return isinstance(eot, int) and eot != tokenizer.unk_token_id and output_ids[-1] == eot
+    eot = _control_id(tokenizer, markers.end_of_turn)
+    return eot is not None and output_ids is not None and output_ids[-1:] == [eot]
+
+
+def _control_id(tokenizer: PreTrainedTokenizerBase | None, token: str) -> int | None:
+    """The id of a control token in the vocabulary, or None (no tokenizer, or the tokenizer does not know it)."""
+    if tokenizer is None:
+        return None
+    found = tokenizer.convert_tokens_to_ids(token)
+    return found if isinstance(found, int) and found != tokenizer.unk_token_id else None
 
 
 def _parse_generate(
@@ -320,8 +326,8 @@ def _parse_generate(
     completion_tokens = _opt_int(meta.get("completion_tokens"), "meta_info.completion_tokens")
     reasoning_tokens = _opt_int(meta.get("reasoning_tokens"), "meta_info.reasoning_tokens")
     if reasoning_tokens is None and output_ids and tokenizer is not None and markers.reasoning_close:
-        close_id = tokenizer.convert_tokens_to_ids(markers.reasoning_close)
-        if isinstance(close_id, int) and close_id != tokenizer.unk_token_id and close_id in output_ids:
+        close_id = _control_id(tokenizer, markers.reasoning_close)
+        if close_id is not None and close_id in output_ids:
             reasoning_tokens = output_ids.index(close_id)
     generation_id = meta.get("id")
     return GenerationResult(

@@ -401,11 +401,8 @@ class _Run:
                 outcome.error = f"turn {turn_no + 1} of {len(answer_at)}: {outcome.error}"
                 break
             if turn_no + 1 < len(answer_at) and res.finish_reason == "length":
-                error = (
-                    f"turn {turn_no + 1} of {len(answer_at)}: {_length_error(res, self.cfg.sampling.max_tokens, False)}"
-                    "; an earlier turn cut by length is never kept (the next turn's history would be an answer the "
-                    "model did not finish): raise sampling.max_tokens"
-                )
+                cut = _length_error(res, self.cfg.sampling.max_tokens, EARLIER_TURN_CUT)
+                error = f"turn {turn_no + 1} of {len(answer_at)}: {cut}"
                 outcome = SampleOutcome(None, "length", error, outcome.attempts, None, [], outcome.cost_usd)
                 break
             if turn_no + 1 < len(answer_at):
@@ -557,11 +554,17 @@ def budget_stop_message(counted_usd: float, cap_usd: float | None, pending_usd: 
     )
 
 
-def _length_error(result: GenerationResult, max_tokens: int, keepable: bool = True) -> str:
-    hint = "; endpoint.keep_length_truncated keeps such samples" if keepable else ""
+FINAL_ANSWER_CUT = "endpoint.keep_length_truncated keeps such samples"
+EARLIER_TURN_CUT = (
+    "an earlier turn cut by length is never kept (the next turn's history would be an answer the model did not "
+    "finish): raise sampling.max_tokens"
+)
+
+
+def _length_error(result: GenerationResult, max_tokens: int, hint: str = FINAL_ANSWER_CUT) -> str:
     return (
         f"finish_reason=length: completion hit the token limit (max_tokens={max_tokens}, "
-        f"completion_tokens={result.completion_tokens}){hint}"
+        f"completion_tokens={result.completion_tokens}); {hint}"
     )
 
 

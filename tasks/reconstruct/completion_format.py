@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from tasks.common.config import CompletionFormatSpec, PipelineConfig
+from tasks.common.config import CompletionFormatSpec, PipelineConfig, format_fields_problem
 from tasks.common.errors import ConfigError
 from tasks.reconstruct.tokenizer_loading import REASONING_KEYS, added_tokens
 
@@ -64,10 +64,11 @@ class CompletionFormat:
     control_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if (self.reasoning_open is None) != (self.reasoning_close is None):
-            raise ConfigError(f"completion format {self.name!r}: reasoning_open and reasoning_close go together")
-        if self.reasoning_open is None and (self.open_in_prompt or self.reasoning_pad):
-            raise ConfigError(f"completion format {self.name!r}: reasoning fields set on a format without reasoning")
+        problem = format_fields_problem(
+            self.reasoning_open, self.reasoning_close, self.open_in_prompt, self.reasoning_pad
+        )
+        if problem:
+            raise ConfigError(f"completion format {self.name!r}: {problem}")
         if not self.end_of_turn:
             raise ConfigError(f"completion format {self.name!r}: end_of_turn is empty")
         literals = "\x00".join(self.literals())
@@ -366,6 +367,12 @@ def controls_in(text: str, controls: set[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
+def literal_controls(fmt: CompletionFormat, added: set[str]) -> tuple[str, ...]:
+    """The control tokens inside a format's literals: the tokenizer's added tokens, and anything shaped like one."""
+    literals = "\x00".join(fmt.literals())
+    return controls_in(literals, added | set(TAG_LIKE.findall(literals)))
+
+
 def _last_control(text: str, controls: set[str]) -> int:
     """Start of the last control token in `text`, or -1."""
     best = -1
@@ -605,8 +612,7 @@ def _derive(
         fmt, unseen = _from_hidden_reasoning(renders)
         seen = COMPARED_FIELDS - unseen
         visible = False
-    literals = "\x00".join(fmt.literals())
-    controls = controls_in(literals, renders.controls | set(TAG_LIKE.findall(literals)))
+    controls = literal_controls(fmt, renders.controls)
     derived = CompletionFormat(
         "derived",
         fmt.reasoning_open,
@@ -634,12 +640,8 @@ def _pins_hold(fmt: CompletionFormat, tokenizer: PreTrainedTokenizerBase) -> boo
 
 def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBase) -> CompletionFormat:
     """A format written out in the config; without `control_tokens` given, the control tokens inside its literals
-    are found as derivation finds them (the tokenizer's added tokens, and anything shaped like one)."""
-    literals = "\x00".join(t for t in (spec.reasoning_open, spec.reasoning_close, spec.end_of_turn) if t)
-    controls = spec.control_tokens or controls_in(
-        literals, set(added_tokens(tokenizer).values()) | set(TAG_LIKE.findall(literals))
-    )
-    return CompletionFormat(
+    are found as derivation finds them (`literal_controls`)."""
+    fmt = CompletionFormat(
         spec.name,
         spec.reasoning_open,
         spec.open_in_prompt,
@@ -648,8 +650,9 @@ def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBas
         spec.reasoning_pad,
         spec.content_separator,
         pinned_ids=tuple(spec.pinned_ids.items()),
-        control_tokens=controls,
     )
+    controls = spec.control_tokens or literal_controls(fmt, set(added_tokens(tokenizer).values()))
+    return replace(fmt, control_tokens=controls)
 
 
 def _shown_to_a_written_format(
