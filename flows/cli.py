@@ -229,7 +229,7 @@ def generate_without_prefect(
     tokenizer = load_tokenizer(cfg.tokenizer)
     # what `run` checks before its first paid request; no endpoint wait when nothing is left to send
     fmt, _ = preflight(cfg, tokenizer, probe=bool(parts_to_send(cfg, parts)), announce=_tell)
-    markers = CompletionMarkers(*fmt.markers())
+    markers = CompletionMarkers.of(fmt)
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     return generate_parts(cfg, refs, markers, tokenizer, listeners=listeners), parts
 

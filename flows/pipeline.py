@@ -124,9 +124,8 @@ def generate_task(
     logger = get_run_logger()
     wait_for_endpoint(cfg.endpoint, announce=logger.warning)  # up to outage_abort_s, as the stage itself waits
     tokenizer = load_tokenizer(cfg.tokenizer)
-    reasoning_close, end_of_turn = _format(cfg).markers()
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
-    markers = CompletionMarkers(reasoning_close, end_of_turn)
+    markers = CompletionMarkers.of(_format(cfg))
     listeners: list[Listener] = [PrefectProgressListener(), LogProgressListener(logger)]
     with logged_events(logger):
         summary = generate_parts(cfg, refs, markers, tokenizer, listeners=listeners, on_commit=mirror)

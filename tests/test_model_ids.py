@@ -26,7 +26,7 @@ from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, read_part, write_part
 from tasks.generate import CompletionMarkers, generate_parts
 from tasks.generate.sse import StreamAssembler
-from tasks.generate.token_bytes import LogprobTokens, exact_ids, token_bytes_index
+from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids, token_bytes_index
 from tasks.reconstruct.completion_format import format_for
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
@@ -59,7 +59,7 @@ def run_stages(
         write_user_prompts(cfg.run_dir, prompts)
     tokenizer = load_tokenizer(cfg.tokenizer)
     fmt = format_for(cfg, tokenizer)
-    generate_parts(cfg, [PartRef(cfg.run_dir, "prompts", 0)], CompletionMarkers(*fmt.markers()), tokenizer)
+    generate_parts(cfg, [PartRef(cfg.run_dir, "prompts", 0)], CompletionMarkers.of(fmt), tokenizer)
     reconstruct_part(cfg, 0, fmt)
     stats = validate_part(cfg, 0, fmt)
     responses = read_part(PartRef(cfg.run_dir, "responses", 0)).to_pylist()
@@ -143,7 +143,7 @@ def test_bytes_map_split_characters_and_non_canonical_pieces(tokenizer: PreTrain
 
     whole = LogprobTokens()
     whole.feed({"content": entries})
-    assert exact_ids(whole, tokenizer, "", text, "</think>") == expected
+    assert exact_ids(whole, tokenizer, "", text, "</think>") == ExactIds(expected)
     assert exact_ids(whole, tokenizer, "", text + "!", "</think>") is None  # the text was changed afterwards
 
     stream = StreamAssembler()
@@ -153,13 +153,13 @@ def test_bytes_map_split_characters_and_non_canonical_pieces(tokenizer: PreTrain
     stream.feed(b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n')
     fed = LogprobTokens()
     fed.feed(stream.body()["choices"][0]["logprobs"])
-    assert exact_ids(fed, tokenizer, "", text, "</think>") == expected
+    assert exact_ids(fed, tokenizer, "", text, "</think>") == ExactIds(expected)
 
     reasoning = LogprobTokens()
     close = {"token": "</think>", "logprob": 0.0, "bytes": list(b"</think>")}
     reasoning.feed({"content": [entries[0], close, *entries[1:]]})
     ids = exact_ids(reasoning, tokenizer, "Z", "ürich NORTH", "</think>")
-    assert ids == [expected[0], tokenizer.convert_tokens_to_ids("</think>"), *expected[1:]]
+    assert ids is not None and ids.ids == [expected[0], tokenizer.convert_tokens_to_ids("</think>"), *expected[1:]]
 
 
 def test_keep_length_truncated_also_passes_validation(tmp_path: Path, tokenizer_dir: Path) -> None:

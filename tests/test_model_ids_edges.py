@@ -27,7 +27,7 @@ from tasks.common.config import (
 from tasks.common.schemas import RESPONSES
 from tasks.generate import CompletionMarkers
 from tasks.generate.endpoints import parse_response
-from tasks.generate.token_bytes import LogprobTokens, exact_ids, token_bytes_index
+from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids, token_bytes_index
 from tasks.reconstruct.completion_format import resolve_format
 from tasks.reconstruct.repair import RepairTable
 from tasks.reconstruct.stage import SampleText, build_tokens_table
@@ -57,7 +57,7 @@ def test_bytes_built_from_the_token_string_are_never_taken_for_the_models_ids(
     BD, which is U+FFFD's own token: that answer is re-encoded, not stored as the model's."""
     z, c3 = byte_ids(tokenizer, b"Z", b"\xc3")
     raw = logprobs([("Z", b"Z"), ("\ufffd", b"\xc3")])
-    assert exact_ids(raw, tokenizer, None, "Z\ufffd", "", EOS) == [z, c3]
+    assert exact_ids(raw, tokenizer, None, "Z\ufffd", "", EOS) == ExactIds([z, c3])
     lossy = logprobs([("Z", b"Z"), ("\ufffd", "\ufffd".encode())])
     assert (
         token_bytes_index(tokenizer).ids(lossy.entries)[-1]
@@ -114,7 +114,7 @@ def test_a_stop_token_listed_in_the_logprobs_keeps_the_exact_ids(
     used to make every answer that stopped fall back to re-encoding. Only a last entry is taken for it."""
     pieces = [(p.decode("utf-8", "replace"), p) for p in (b"Z", b"\xc3", b"\xbc", b"rich")]
     expected = byte_ids(tokenizer, *(p for _, p in pieces))
-    assert exact_ids(logprobs([*pieces, stop_entry]), tokenizer, None, "Zürich", "", EOS) == expected
+    assert exact_ids(logprobs([*pieces, stop_entry]), tokenizer, None, "Zürich", "", EOS) == ExactIds(expected)
     assert exact_ids(logprobs([stop_entry, *pieces]), tokenizer, None, "Zürich", "", EOS) is None
 
 

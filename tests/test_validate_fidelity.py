@@ -69,7 +69,7 @@ def run_through_simulator(cfg: PipelineConfig, tokenizer: PreTrainedTokenizerBas
         )
     ref = PartRef(cfg.run_dir, "prompts", 0)
     write_part(ref, pa.Table.from_pylist(rows, schema=PROMPTS), {})
-    summary = generate_parts(cfg, [ref], CompletionMarkers(*DEMO.markers()), tokenizer)
+    summary = generate_parts(cfg, [ref], CompletionMarkers.of(DEMO), tokenizer)
     assert summary is not None
     reconstruct_part(cfg, 0, DEMO)
     validate_part(cfg, 0, DEMO)

@@ -15,7 +15,8 @@ from transformers import PreTrainedTokenizerBase
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ConfigError, DatagenError
 from tasks.common.messages import Message
-from tasks.generate.token_bytes import LogprobTokens, exact_ids
+from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids
+from tasks.reconstruct.completion_format import CompletionFormat
 from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 CHAT_PATH = "/chat/completions"
@@ -30,11 +31,17 @@ class MalformedResponseError(DatagenError):
 class CompletionMarkers:
     """Strings of the completion format: where reasoning ends, and the end-of-turn text a server may leave in.
 
-    An empty `reasoning_close` means the format has no separate reasoning section.
+    An empty `reasoning_close` means the format has no separate reasoning section. `fmt`, the whole format, lets
+    ids rebuilt from logprobs be checked against the completion as reconstruct lays it out.
     """
 
     reasoning_close: str
     end_of_turn: str
+    fmt: CompletionFormat | None = None
+
+    @classmethod
+    def of(cls, fmt: CompletionFormat) -> CompletionMarkers:
+        return cls(*fmt.markers(), fmt=fmt)
 
 
 @dataclass(frozen=True)
@@ -208,14 +215,17 @@ def _model_ids(
     content: str | None,
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None,
-) -> list[int] | None:
+) -> ExactIds | None:
     """The model's exact ids rebuilt from the choice's logprobs bytes (`endpoint.logprobs`), when they cover the
     whole answer; the end-of-turn id is not among them (reconstruct adds it, as for a re-encoded row)."""
     if not cfg.endpoint.logprobs or tokenizer is None:
         return None
     tokens = LogprobTokens()
     tokens.feed(choice.get("logprobs"))
-    return exact_ids(tokens, tokenizer, reasoning, content, markers.reasoning_close, markers.end_of_turn)
+    truncated = choice.get("finish_reason") == "length"
+    return exact_ids(
+        tokens, tokenizer, reasoning, content, markers.reasoning_close, markers.end_of_turn, markers.fmt, truncated
+    )
 
 
 def _parse_chat(
@@ -244,7 +254,12 @@ def _parse_chat(
         cost = price_cost(cfg, prompt_tokens, completion_tokens)
     reasoning = _opt_str(reasoning, "message.reasoning")
     content = _opt_str(message.get("content"), "message.content")
-    model_ids = _model_ids(cfg, choice, reasoning, content, markers or CompletionMarkers("", ""), tokenizer)
+    exact = _model_ids(cfg, choice, reasoning, content, markers or CompletionMarkers("", ""), tokenizer)
+    if exact is not None and exact.held_back:
+        if content or not reasoning:
+            content = (content or "") + exact.held_back
+        else:
+            reasoning += exact.held_back
     return GenerationResult(
         reasoning=reasoning,
         content=content,
@@ -258,7 +273,7 @@ def _parse_chat(
         provider=_opt_str(body.get("provider"), "provider"),
         model=_opt_str(body.get("model"), "model"),
         generation_id=_opt_str(body.get("id"), "id"),
-        output_ids=model_ids,
+        output_ids=None if exact is None else exact.ids,
         prompt_ids=None,
         quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
     )

@@ -15,6 +15,7 @@ tokens that are whole characters.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.errors import DatagenError
-from tasks.reconstruct.completion_format import CUT_CHARACTER
+from tasks.reconstruct.completion_format import CUT_CHARACTER, CompletionFormat, completion_layout
 from tasks.reconstruct.tokenizer_loading import added_tokens
 
 
@@ -99,9 +100,10 @@ class TokenBytesIndex:
                     bytes_of[int(token_id)] = raw
         for text, token_id in added.items():
             bytes_of[token_id] = text.encode()
+        control_ids = set(added.values())
         by_bytes: dict[bytes, int] = {}
         for token_id, raw in sorted(bytes_of.items()):
-            if token_id not in added.values():
+            if token_id not in control_ids:
                 by_bytes.setdefault(raw, token_id)
         return cls(by_bytes, added, bytes_of)
 
@@ -187,6 +189,36 @@ model emitted; the answer's last such entry still spells a truncated content tha
 are re-encoded (a model that emits U+FFFD itself is re-encoded too, to the same id)."""
 
 
+@dataclass(frozen=True)
+class ExactIds:
+    """The model's ids for an answer, and the text of its last tokens that the endpoint held back (`held_back`):
+    an incremental detokenizer (vLLM's, streamed or not) writes nothing for a token that ends inside a character,
+    so an answer cut by the token limit there lacks that token's text while its logprobs entry is present. The
+    ids are still the model's; the answer's text is the content (or the reasoning) plus `held_back`, which ends
+    in U+FFFD as the same answer from SGLang does."""
+
+    ids: list[int]
+    held_back: str = ""
+
+
+def _held_back(pieces: Sequence[bytes], whole: set[str]) -> str | None:
+    """The text of the trailing tokens an incremental detokenizer withholds, when the pieces up to them spell one
+    of `whole` exactly: the spelling must end inside a character, and no token boundary after `whole` may fall
+    between characters (a detokenizer emits the text at every such boundary)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    spelled, clean_at, clean_text = "", 0, ""
+    try:
+        for k, raw in enumerate(pieces):
+            spelled += decoder.decode(raw)
+            if not decoder.getstate()[0]:
+                clean_at, clean_text = k + 1, spelled
+    except UnicodeDecodeError:
+        return None
+    if clean_at == len(pieces) or clean_text not in whole:
+        return None
+    return b"".join(pieces[clean_at:]).decode("utf-8", errors="replace")
+
+
 def exact_ids(
     tokens: LogprobTokens,
     tokenizer: PreTrainedTokenizerBase,
@@ -194,14 +226,18 @@ def exact_ids(
     content: str | None,
     reasoning_close: str,
     end_of_turn: str = "",
-) -> list[int] | None:
+    fmt: CompletionFormat | None = None,
+    truncated: bool = False,
+) -> ExactIds | None:
     """The model's ids for this answer, when the logprobs cover all of it: their bytes must spell the content
-    (no reasoning) or reasoning + close marker + content. None otherwise (no logprobs, only the content's of a
-    reasoning answer, bytes that are not the tokens' own, or text the provider changed after sampling): the
-    row is then re-encoded. The text is spelled by the ids the entries resolve to (a control token found by its
-    string spells its string, whatever bytes the entry carries). A last entry for the end-of-turn token (vLLM
-    lists the stop token, by its string or as an empty one) is not part of the text; it is left out, as
-    reconstruct adds that id itself."""
+    (no reasoning) or reasoning + close marker + content, or, given the completion format, the completion as
+    reconstruct lays it out (the reasoning-open tag the model writes, pads and separators included: Qwen3, Kimi-K2
+    thinking and Harmony answers spell those too). None otherwise (no logprobs, only the content's of a reasoning
+    answer, bytes that are not the tokens' own, or text the provider changed after sampling): the row is then
+    re-encoded. The text is spelled by the ids the entries resolve to (a control token found by its string spells
+    its string, whatever bytes the entry carries). A last entry for the end-of-turn token (vLLM lists the stop
+    token, by its string or as an empty one) is not part of the text; it is left out, as reconstruct adds that
+    id itself. A `truncated` answer may lack the text of its last tokens (`ExactIds.held_back`)."""
     entries = _without_end_of_turn(tokens.entries, end_of_turn)
     if not entries or any(CUT_CHARACTER_BYTES in raw for _, raw in entries):
         return None
@@ -210,8 +246,17 @@ def exact_ids(
         ids = index.ids(entries)
     except TokenBytesError:
         return None
-    spelled = b"".join(index.bytes_of[i] for i in ids).decode("utf-8", errors="replace")
+    pieces = [index.bytes_of[i] for i in ids]
     whole = {content or ""} if not reasoning else set()
     if reasoning_close:
         whole.add(f"{reasoning or ''}{reasoning_close}{content or ''}")
-    return ids if spelled in whole else None
+    if fmt is not None:
+        try:
+            layout = completion_layout(fmt, reasoning, content, truncated)
+        except ValueError:  # reasoning text from a format without reasoning: validation names it
+            return None
+        whole.add(layout.text[: layout.end_of_turn_start])
+    if b"".join(pieces).decode("utf-8", errors="replace") in whole:
+        return ExactIds(ids)
+    held = _held_back(pieces, whole) if truncated else None
+    return None if held is None else ExactIds(ids, held)
