@@ -129,6 +129,21 @@ def test_logprobs_of_a_model_that_writes_its_reasoning_tags_are_its_exact_ids(
     tokens, stats = build_tokens_table(tokenizer, fmt, [sample], ReconstructConfig(), {})
     row = tokens.to_pylist()[0]
     assert row["input_ids"][row["prompt_len"] :] == [*emitted, eot] and stats["model_rows"] == 1
+    assert verdicts(tokenizer, fmt, tokens, sample) == ("pass", "bpe_artifact")
+
+
+def verdicts(
+    tokenizer: PreTrainedTokenizerBase, fmt: CompletionFormat, tokens: pa.Table, sample: SampleText
+) -> tuple[str, str]:
+    """(verdict, reference comparison) of the one row: the re-encoding is still checked against the model's ids."""
+    response = {"sample_id": sample.sample_id, "dataset": "d", "status": "done", "attempts": 1}
+    response |= {"reasoning": sample.reasoning, "content": sample.content, "finish_reason": sample.finish_reason}
+    response |= {"output_ids": sample.output_ids}
+    responses = pa.Table.from_pylist([response], schema=RESPONSES)
+    vcfg = ValidationConfig(allowed_finish_reasons=["stop", "length"])
+    table, _ = validate_tables(tokens, responses, fmt, backend_for(tokenizer), vcfg)
+    row = table.to_pylist()[0]
+    return row["verdict"], row["reference_match"]
 
 
 def demo_cut(tokenizer: PreTrainedTokenizerBase) -> tuple[CompletionFormat, list[int], list[int]]:
@@ -157,12 +172,7 @@ def test_a_cut_character_the_detokenizer_held_back_keeps_the_models_ids(
     tokens, stats = build_tokens_table(tokenizer, fmt, [sample], ReconstructConfig(), kwargs)
     row = tokens.to_pylist()[0]
     assert row["input_ids"][row["prompt_len"] :] == [*head, *partial] and stats["model_rows"] == 1
-    response = {"sample_id": "s", "dataset": "d", "status": "done", "content": result.content}
-    response |= {"finish_reason": "length", "attempts": 1, "output_ids": result.output_ids}
-    responses = pa.Table.from_pylist([response], schema=RESPONSES)
-    vcfg = ValidationConfig(allowed_finish_reasons=["stop", "length"])
-    table, _ = validate_tables(tokens, responses, fmt, backend_for(tokenizer), vcfg)
-    assert table.to_pylist()[0]["verdict"] == "pass", table.to_pylist()
+    assert verdicts(tokenizer, fmt, tokens, sample)[0] == "pass"
 
 
 def test_only_a_withheld_partial_character_is_taken_for_held_back_text(
