@@ -16,6 +16,7 @@ from tasks.common.errors import ReconstructionError
 from tasks.common.messages import Message, prompt_messages, sample_id
 from tasks.common.schemas import PROMPTS, RESPONSES
 from tasks.common.shards import PartRef, read_part, write_part
+from tasks.generate.token_bytes import token_bytes_index
 from tasks.reconstruct.completion_format import PRESETS, completion_text
 from tasks.reconstruct.multiturn import ConversationTurn, template_messages
 from tasks.reconstruct.stage import reconstruct_part
@@ -297,3 +298,33 @@ def test_history_that_is_not_the_prompts_conversation_fails_naming_the_sample(
     write_part_inputs(tmp_path, 0, [NOR, PRIME], [response(NOR, "R", "C"), response(PRIME, "R", "Eleven.", other)])
     with pytest.raises(ReconstructionError, match=f"sample {sid_of(PRIME)}: history's dataset turns differ .* turn 0"):
         reconstruct_part(make_cfg(tmp_path, tokenizer_dir), 0, DEMO)
+
+
+def test_every_turn_final_answer_is_stored_as_the_ids_the_engine_returned(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """A final answer in a split re-encoding never gives ("blue" as its single bytes) is stored as the model's
+    ids, as for a row answered in one request; the context stays the engine's rendering of the history. Ids
+    that do not spell the answer (the text was changed afterwards) leave the row re-encoded."""
+    index = token_bytes_index(tokenizer)
+    reasoning, content = "Blau is blue; pick green.", "Grün."
+    text = completion_text(DEMO, reasoning, content)
+    head, _, tail = text.partition("blue")
+    split = [index.by_bytes[bytes([b])] for b in b"blue"]
+    output = [*encode(tokenizer, head), *split, *encode(tokenizer, tail)]
+    assert decode(tokenizer, output) == text and output != encode(tokenizer, text)
+    sent = render_prompt_ids(tokenizer, template_messages(COLOURS_HISTORY))
+    changed = [*output[:-2], *encode(tokenizer, "!"), output[-1]]
+    for part, ids in enumerate((output, changed)):
+        row = response(COLOURS, reasoning, content, COLOURS_HISTORY, prompt_ids=sent, output_ids=ids)
+        write_part_inputs(tmp_path, part, [COLOURS], [row])
+        assert reconstruct_part(make_cfg(tmp_path, tokenizer_dir), part, DEMO)["multiturn_rows"] == 1
+        validate_part(make_cfg(tmp_path, tokenizer_dir), part, DEMO)
+    exact, reencoded = (read_part(PartRef(tmp_path, "tokens", p)).to_pylist()[0] for p in (0, 1))
+    assert exact["input_ids"] == [*sent, *output] and exact["token_source"] == "model"
+    assert reencoded["input_ids"] == [*sent, *encode(tokenizer, text)] and reencoded["token_source"] == "reencoded"
+    masked = [t for t, m in zip(exact["input_ids"], exact["loss_mask"], strict=True) if m]
+    assert decode(tokenizer, masked[-len(output) :]) == text
+    checks = [read_part(PartRef(tmp_path, "validation", p)).to_pylist()[0] for p in (0, 1)]
+    assert (checks[0]["verdict"], checks[0]["reference_match"]) == ("pass", "bpe_artifact")
+    assert checks[1]["verdict"] == "fail" and checks[1]["reference_match"] == "real_difference"

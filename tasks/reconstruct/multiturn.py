@@ -28,6 +28,7 @@ from tasks.reconstruct.completion_format import (
     loss_mask_values,
     without_cut_character,
 )
+from tasks.reconstruct.model_ids import model_completion
 from tasks.reconstruct.tokenizer_backend import backend_for
 from tasks.reconstruct.tokenizer_loading import template_message
 
@@ -63,6 +64,8 @@ class MultiturnSequence:
     spans: list[RegeneratedSpan]
     context: str
     completion: str
+    model_ids: bool = False
+    """The final completion is the ids the model generated (`output_ids`), not the re-encoded text."""
 
     @property
     def reasoning_len(self) -> int:
@@ -125,11 +128,15 @@ def build_multiturn_sequence(
     loss_on_end_of_turn: bool = True,
     truncated: bool = False,
     template_kwargs: Mapping[str, Any] | None = None,
+    output_ids: Sequence[int] | None = None,
 ) -> MultiturnSequence:
     """ids and mask of the last turn's context + completion; masks over every regenerated span.
 
     `turns` ends with the final generated assistant turn; earlier assistant turns with `generated` are the
     target's earlier answers (masked where the template shows them), others are context (never masked).
+    `output_ids`, the final answer's ids as the endpoint reported them, are its completion when they spell it
+    (`model_completion`); the context is what the engine rendered and tokenized from the history's text, so it
+    is encoded here as the engine encoded it.
     """
     kwargs = dict(template_kwargs or {})
     if not turns or turns[-1]["role"] != "assistant" or not turns[-1].get("generated"):
@@ -160,14 +167,18 @@ def build_multiturn_sequence(
             char_spans.append((i, "end_of_turn", found[1], found[1] + len(fmt.end_of_turn)))
 
     final = turns[-1]
-    layout = without_cut_character(
-        fmt, completion_layout(fmt, final.get("reasoning"), final.get("content"), truncated=truncated)
-    )
+    answered = completion_layout(fmt, final.get("reasoning"), final.get("content"), truncated=truncated)
+    layout = without_cut_character(fmt, answered)
     backend = backend_for(tokenizer)
     bounds = [c for _, _, a, b in char_spans for c in (a, b)]
     (context_ids, completion_ids), at = backend.encode_with_boundaries(
         [context, layout.text], [bounds, [layout.content_start, layout.end_of_turn_start]]
     )
+    eot_id = backend.token_to_id(fmt.end_of_turn)
+    exact = None if output_ids is None or eot_id is None else model_completion(backend, answered, output_ids, eot_id)
+    if exact is not None:
+        completion_ids, layout = exact[0], answered
+        at[1, 0], at[1, 1] = exact[1], exact[2]
     mask = [0] * len(context_ids)
     spans = []
     for n, (turn, kind, _, _) in enumerate(char_spans):
@@ -191,4 +202,4 @@ def build_multiturn_sequence(
         )
         if b > a
     ]
-    return MultiturnSequence([*context_ids, *completion_ids], mask, p, spans, context, layout.text)
+    return MultiturnSequence([*context_ids, *completion_ids], mask, p, spans, context, layout.text, exact is not None)

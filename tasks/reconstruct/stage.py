@@ -306,6 +306,7 @@ def _multiturn_rows(
                 loss_on_end_of_turn=rcfg.loss_on_end_of_turn,
                 truncated=s.truncated,
                 template_kwargs=template_kwargs,
+                output_ids=s.output_ids if rcfg.token_ids == "model" else None,
             )
         except ValueError as exc:
             raise ReconstructionError(s.sample_id, str(exc)) from exc
@@ -314,7 +315,12 @@ def _multiturn_rows(
     backend = backend_for(tokenizer)
     sample_ids = [s.sample_id for s in samples]
     backend.spot_check([q.context for q in seqs], sample_ids, [q.input_ids[: q.prompt_len] for q in seqs])
-    backend.spot_check([q.completion for q in seqs], sample_ids, [q.input_ids[q.prompt_len :] for q in seqs])
+    reencoded = [(q, sid) for q, sid in zip(seqs, sample_ids, strict=True) if not q.model_ids]
+    backend.spot_check(
+        [q.completion for q, _ in reencoded],
+        [sid for _, sid in reencoded],
+        [q.input_ids[q.prompt_len :] for q, _ in reencoded],
+    )
 
     row_offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum([len(q.input_ids) for q in seqs], out=row_offsets[1:])
@@ -324,7 +330,8 @@ def _multiturn_rows(
     lens = np.array(
         [(q.prompt_len, len(q.input_ids) - q.prompt_len, q.reasoning_len) for q in seqs], dtype=np.int64
     ).reshape(-1, 3)
-    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, ["reencoded"] * len(seqs))
+    sources = ["model" if q.model_ids else "reencoded" for q in seqs]
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources)
 
 
 def build_tokens_table(
