@@ -26,7 +26,9 @@ class Generation:
     streamed: bool
     completed_at: float
 
-    def data(self, cost_factor: float) -> dict[str, Any]:
+    def data(self, cost_factor: float, settled: bool = True) -> dict[str, Any]:
+        if not settled:
+            return {"id": self.id, "total_cost": 0, "provider_name": self.provider, "model": self.model}
         return {
             "id": self.id,
             "total_cost": self.cost_usd * cost_factor,

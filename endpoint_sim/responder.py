@@ -143,6 +143,12 @@ class SimConfig(BaseModel):
     generation_lookup_delay_s: float = Field(
         default=0.0, ge=0.0, description="/api/v1/generation answers 404 until this long after completion."
     )
+    generation_unsettled_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="/api/v1/generation answers 200 with a record of $0 and no tokens until this long after "
+        "the lookup delay (a record still being written, taken for the bill by a careless client).",
+    )
     generation_store_size: int = Field(default=200_000, ge=1)
     stream_chunk_delay_s: float = Field(
         default=0.0, ge=0.0, description="Pause between SSE chunks; 0 sends the whole stream at once."

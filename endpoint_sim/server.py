@@ -689,7 +689,9 @@ async def generation_lookup(request: web.Request) -> web.Response:
     elif not gen_id:
         status, body = 400, _error(400, "query parameter id is required")
     elif (found := state.generations.visible(gen_id, state.config.generation_lookup_delay_s)) is not None:
-        status, body = 200, {"data": found.data(state.config.generation_cost_factor)}
+        settling = state.config.generation_lookup_delay_s + state.config.generation_unsettled_s
+        settled = state.generations.visible(gen_id, settling) is not None
+        status, body = 200, {"data": found.data(state.config.generation_cost_factor, settled)}
     else:
         status, body = 404, _error(404, "Generation not found")
     state.lookups[str(status)] += 1

@@ -89,3 +89,14 @@ def test_only_transport_failures_are_retried_by_prefect() -> None:
     assert not is_transient(SchemaMismatchError("v2"))
     assert not is_transient(ValueError("bad row"))
     assert isinstance(PipelineConfig, type)
+
+
+def test_a_bare_off_in_yaml_means_off(tmp_path: Path) -> None:
+    """YAML 1.1 reads `off` as false; the README and configs/run.yaml tell a shared key's user to write it."""
+    path = tmp_path / "run.yaml"
+    text = "run_dir: run\ndatasets: [{name: B1, path: b1.jsonl}]\ntokenizer: {path: model}\n"
+    text += "endpoint: {model: m, account_settlement: off}\nscoring: {parity_gate: off}\n"
+    path.write_text(text)
+    cfg = load_config(path)
+    assert (cfg.endpoint.account_settlement, cfg.scoring.parity_gate) == ("off", "off")
+    assert load_config(path, {"endpoint.account_settlement": False}).endpoint.account_settlement == "off"

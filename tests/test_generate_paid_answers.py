@@ -16,6 +16,7 @@ from endpoint_sim.responder import FailureRule, SimConfig
 from endpoint_sim.server import SimulatorServer
 from tasks.common.config import SamplingConfig
 from tasks.generate.ledger import SpendLedger
+from tasks.generate.progress import format_usd
 from tests.test_generate_failures import make_cfg, question, responses, run, write_prompts
 
 PROMPTS = 4
@@ -73,6 +74,22 @@ def test_an_answer_without_usage_cost_is_counted_at_its_generation_record(
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
 
 
+@pytest.mark.parametrize("reconcile", [True, False])
+def test_a_generation_record_still_being_written_is_not_the_bill(
+    reconcile: bool, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A record that answers $0 and counts no tokens for a while (then the real figure) was taken as final: paid
+    answers were recorded at $0 (with reconcile_cost) and cut streams settled at $0, and the cap stopped nothing.
+    Such a record is looked up again, like a 404; a free model's record counts its tokens."""
+    rules = () if reconcile else (FailureRule(kind="late_error_body", rate=1.0, attempts=1),)
+    sim_cfg = SimConfig(seed=9, generation_unsettled_s=1.0, failures=rules)
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "chat", reconcile_cost=reconcile)
+    assert summary["done"] == PROMPTS and provider > 0
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
 def test_a_refusal_mid_run_settles_the_streams_it_cut_before_the_command_exits(
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:
@@ -93,6 +110,9 @@ def test_a_refusal_mid_run_settles_the_streams_it_cut_before_the_command_exits(
     assert totals.settled_by.get("generation", 0) > 0, "no stream was in flight when the key ran out"
     assert totals.pending_attempts == 0
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+    # the line printed is what the ledger holds once settled, not what it held before
+    assert f"recorded spend: {format_usd(totals.billed_usd)} billed." in str(refused.value)
+    assert "pending" not in str(refused.value).split("recorded spend")[1]
 
 
 def test_answers_with_reasoning_for_a_format_without_it_stop_the_run_early(tmp_path: Path, tokenizer_dir: Path) -> None:

@@ -20,6 +20,11 @@ from tasks.common.errors import ConfigError
 DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
+def yaml_off(value: Any) -> Any:
+    """YAML 1.1 (PyYAML) reads a bare `off` as false: in a setting whose values include "off", false means it."""
+    return "off" if value is False else value
+
+
 class StrictModel(BaseModel):
     # hide_input_in_errors: a validation error would otherwise quote the endpoint mapping, key included, into
     # Prefect's state message, logs and failure artifact.
@@ -190,6 +195,11 @@ class EndpointConfig(StrictModel):
         if isinstance(data, dict) and data.get("stream") is None:
             data = {**data, "stream": data.get("kind", "openai_chat") == "openai_chat"}
         return data
+
+    @field_validator("account_settlement", mode="before")
+    @classmethod
+    def _settlement_off(cls, v: Any) -> Any:
+        return yaml_off(v)
 
     @field_validator("base_url")
     @classmethod
@@ -480,8 +490,7 @@ class ScoringConfig(StrictModel):
     @field_validator("parity_gate", mode="before")
     @classmethod
     def _gate_off(cls, v: Any) -> Any:
-        """YAML 1.1 reads a bare `off` as false: `parity_gate: off` means the gate is off."""
-        return "off" if v is False else v
+        return yaml_off(v)
 
     def bounds(self) -> dict[str, float | int | None]:
         return {

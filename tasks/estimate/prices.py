@@ -88,6 +88,23 @@ def _disagreement(configured: tuple[float, float], listed: tuple[float, float, s
     )
 
 
+def listed_price_factor(ep: EndpointConfig, timeout_s: float = 5.0) -> tuple[float, str] | None:
+    """How far the endpoint's models listing prices the model above the configured prices (the larger of the
+    prompt and completion ratios), with the warning that says so; None when it lists no higher price or nothing
+    is configured. The budget counts worst cases at this factor from the first request on."""
+    configured = (ep.price_prompt_usd_per_mtok, ep.price_completion_usd_per_mtok)
+    if not any(configured):
+        return None
+    listed = _listed_prices(ep, timeout_s)[0]
+    if listed is None:
+        return None
+    ratios = [x / c if c > 0 else (math.inf if x > 0 else 1.0) for c, x in zip(configured, listed[:2], strict=True)]
+    factor = max(ratios)
+    if factor <= 1.0 + PRICE_TOLERANCE_FRAC or math.isinf(factor):
+        return None
+    return factor, _disagreement(configured, listed) or ""
+
+
 def resolve_prices(ep: EndpointConfig, lookup: bool = True, timeout_s: float = 5.0) -> Prices:
     """The config's prices, checked against the endpoint's listing when it has one (`lookup`); else the listing's."""
     if ep.price_prompt_usd_per_mtok or ep.price_completion_usd_per_mtok:

@@ -54,6 +54,7 @@ from tasks.generate.endpoints import (
     build_request,
     generation_lookup_url,
     parse_response,
+    price_cost,
     reported_cost,
 )
 from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
@@ -77,6 +78,8 @@ CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "
 # Window regrowth per healthy answer: from half of 2,000 back to 2,000 in ~4,000 answers (seconds at full rate).
 GROWTH_PER_SUCCESS = 0.25
 LOOKUP_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+PRICE_FACTOR_STEP = 0.01
+"""How far above the configured prices a bill must be before worst cases are counted higher: costs are rounded."""
 
 
 def _refuses_run(status: int, retry_after: str | None) -> bool:
@@ -284,6 +287,11 @@ class Budget:
     A request that does not fit waits (FIFO) for in-flight requests to settle at their real, smaller cost; the
     run stops only when the first waiter still does not fit with nothing left in flight to free room. So the
     cap is used up to one worst case, never crossed.
+
+    Worst cases are priced from the config; `price_factor` is how far above those prices the endpoint has
+    been seen to bill (its models listing, or an answer's own cost), and every reservation, those in flight
+    included, counts at that factor: a provider billing 3x the configured prices otherwise carried the spend to
+    1.8x the cap while each request "fit". Amounts passed to `reserve` and `settle` are at the config's prices.
     """
 
     def __init__(self, cap_usd: float | None, spent_before_usd: float) -> None:
@@ -291,19 +299,42 @@ class Budget:
         self.cap_usd = cap_usd
         self.prior_usd = spent_before_usd
         self.spent_usd = spent_before_usd
-        self.reserved_usd = 0.0
+        self.reserved_base_usd = 0.0
+        self.price_factor = 1.0
         self.stopped = False
         self.started = time.monotonic()
         self._waiters: deque[tuple[asyncio.Future[None], float]] = deque()
         self._retry_waiters: deque[tuple[asyncio.Future[None], float]] = deque()
 
+    @property
+    def reserved_usd(self) -> float:
+        """In-flight worst cases at the prices the endpoint bills."""
+        return self.reserved_base_usd * self.price_factor
+
     def _fits(self, amount: float) -> bool:
-        return self.cap_usd is None or self.spent_usd + self.reserved_usd + amount <= self.cap_usd
+        return (
+            self.cap_usd is None
+            or self.spent_usd + (self.reserved_base_usd + amount) * self.price_factor <= self.cap_usd
+        )
 
     def _exhausted(self, amount: float) -> BudgetExhausted:
         return BudgetExhausted(
-            f"spent ${self.spent_usd:.4f} + next request's worst case ${amount:.4f} would cross "
+            f"spent ${self.spent_usd:.4f} + next request's worst case ${amount * self.price_factor:.4f} would cross "
             f"max_cost_usd ${self.cap_usd:.4f}"
+        )
+
+    def raise_prices(self, factor: float, why: str) -> None:
+        """Count every worst case, in flight and to come, at `factor` times the configured prices (never lower)."""
+        if factor <= self.price_factor * (1.0 + PRICE_FACTOR_STEP):
+            return
+        self.price_factor = factor
+        emit_event(
+            RunEvent(
+                "price_drift",
+                f"{why}: worst cases now count at {factor:.2f}x the configured endpoint.price_*_usd_per_mtok "
+                "against the cap; set the prices the endpoint bills",
+                time.monotonic() - self.started,
+            )
         )
 
     async def reserve(self, amount: float, retry: bool = False) -> None:
@@ -314,7 +345,7 @@ class Budget:
         if self.stopped:
             raise self._exhausted(amount)
         if not self._retry_waiters and (retry or not self._waiters) and self._fits(amount):
-            self.reserved_usd += amount
+            self.reserved_base_usd += amount
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         (self._retry_waiters if retry else self._waiters).append((fut, amount))
@@ -323,7 +354,7 @@ class Budget:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.reserved_usd = max(0.0, self.reserved_usd - amount)
+                self.reserved_base_usd = max(0.0, self.reserved_base_usd - amount)
             raise
 
     def _admit_waiters(self) -> None:
@@ -334,16 +365,17 @@ class Budget:
                 queue.popleft()
             elif self._fits(amount):
                 queue.popleft()
-                self.reserved_usd += amount
+                self.reserved_base_usd += amount
                 fut.set_result(None)
-            elif self.reserved_usd <= 0.0:
+            elif self.reserved_base_usd <= 0.0:
                 self.stopped = True
                 emit_event(
                     RunEvent(
                         "budget_stop",
                         f"budget cap reached: {self.spent_usd:.4f} USD counted (billed + pending at worst case) of "
                         f"endpoint.max_cost_usd={self.cap_usd:g}, and the next request's worst case "
-                        f"{amount:.4f} USD does not fit; no new request starts, finished samples are committed",
+                        f"{amount * self.price_factor:.4f} USD does not fit; no new request starts, finished "
+                        "samples are committed",
                         time.monotonic() - self.started,
                     )
                 )
@@ -356,11 +388,12 @@ class Budget:
                 return
 
     def settle(self, reserved: float, billed: float) -> None:
+        """`reserved`: the amount `reserve` took (config prices); `billed`: dollars spent."""
         self.spent_usd += billed
         if self.cap_usd is not None:
-            self.reserved_usd = max(0.0, self.reserved_usd - reserved)
-            if self.reserved_usd < 1e-12:
-                self.reserved_usd = 0.0
+            self.reserved_base_usd = max(0.0, self.reserved_base_usd - reserved)
+            if self.reserved_base_usd < 1e-12:
+                self.reserved_base_usd = 0.0
             self._admit_waiters()
 
 
@@ -472,7 +505,8 @@ class EndpointClient:
         budget = self.budget
         request = build_request(self.cfg, messages, self.tokenizer, sample_index)
         metered = budget.cap_usd is not None or self.ledger is not None
-        worst = self.worst_case_usd(request, messages) if metered else 0.0
+        reserve = self.worst_case_usd(request, messages) if metered else 0.0  # at the config's prices
+        worst = reserve
         # The bytes aiohttp's `json=` would encode on every attempt; what waits for the window and what a retry
         # resends is then one bytes object, not a dict tree.
         url, prompt_ids, data = request.url, request.prompt_ids, json.dumps(request.payload).encode()
@@ -484,11 +518,12 @@ class EndpointClient:
         while True:
             if budget.cap_usd is not None:  # without a cap `reserve` returns at once: no coroutine per attempt
                 try:
-                    await budget.reserve(worst, retry=attempt > 0)
+                    await budget.reserve(reserve, retry=attempt > 0)
                 except BudgetExhausted as exc:
                     return SampleOutcome(
                         None, "budget", str(exc), attempt, None, retries or [], cost, budget_stopped=True
                     )
+                worst = reserve * budget.price_factor  # this attempt's worst case at the prices billed so far
             attempt += 1
             started = time.perf_counter()
             uid: str | None = None  # set once the attempt's "sent" record is written, right before the POST
@@ -555,12 +590,13 @@ class EndpointClient:
                     window.release()
                 result = self._answer(status, headers, raw, body, url, prompt_ids, sent_at)
             except SampleFatalError as exc:
-                budget.settle(worst, 0.0)
+                budget.settle(reserve, 0.0)
                 self._ended(uid, "answered", 0.0, None, exc.reason, worst)
                 return SampleOutcome(None, exc.reason, str(exc), attempt, None, retries or [], cost)
             except RetryableError as exc:
                 outcome = exc.outcome
-                budget.settle(worst, worst if outcome == "pending" else exc.billed or 0.0)
+                budget.settle(reserve, worst if outcome == "pending" else exc.billed or 0.0)
+                self._learn_prices(reserve, exc.billed, None)
                 self._ended(uid, outcome, exc.billed, exc.generation_id, exc.reason, worst)
                 cost += exc.billed or 0.0  # the row's known cost; the ledger counts a pending one at worst case
                 outage = exc.reason in OUTAGE_REASONS and await breaker.judge(
@@ -582,7 +618,7 @@ class EndpointClient:
                 await asyncio.sleep(delay)
                 continue
             except FatalEndpointError:
-                budget.settle(worst, 0.0)
+                budget.settle(reserve, 0.0)
                 if sent:  # the endpoint answered 401/403/404/402: nothing is billed for a refusal
                     self._ended(uid, "answered", 0.0, None, "fatal", worst)
                 raise
@@ -591,7 +627,7 @@ class EndpointClient:
                 # unless its status line already said the endpoint refused it (a 402 racing the first one).
                 if trial:
                     breaker.release_trial()
-                budget.settle(worst, worst if sent and not refused else 0.0)
+                budget.settle(reserve, worst if sent and not refused else 0.0)
                 if refused:
                     self._ended(uid, "answered", 0.0, None, "fatal", worst)
                 elif sent:
@@ -608,10 +644,27 @@ class EndpointClient:
                     if result.billed_cost_usd is not None:
                         paid = result.billed_cost_usd
             finally:  # a cancelled lookup still leaves the answer recorded as answered, at its reported cost
-                budget.settle(worst, paid)
+                budget.settle(reserve, paid)
                 self._ended(uid, "answered", paid, result.generation_id, None, worst)
+            self._learn_prices(reserve, paid, result)
             cost += result.cost_usd or 0.0  # the row's reported cost; billed_cost_usd beside it shows any drift
             return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
+
+    def _learn_prices(self, reserve: float, billed: float | None, result: GenerationResult | None) -> None:
+        """Worst cases count at the prices the endpoint bills when they are above the config's: an answer's cost
+        against its own tokens at the configured prices, or any bill above the attempt's whole worst case."""
+        if not billed or reserve <= 0:
+            return
+        factor = billed / reserve
+        priced = None if result is None else price_cost(self.cfg, result.prompt_tokens, result.completion_tokens)
+        if priced:
+            factor = max(factor, billed / priced)
+        if factor > 1.0 + PRICE_FACTOR_STEP:
+            self.budget.raise_prices(
+                factor,
+                f"the endpoint billed ${billed:.6f} for an answer the configured prices put at "
+                f"${priced if priced else reserve:.6f}",
+            )
 
     def _admitted(self, tag: AttemptTag | None, worst_usd: float, trial: bool) -> str | None:
         """Right after a window slot is granted, before the POST: refuse if the run hit a run-fatal answer, else
@@ -805,7 +858,9 @@ class EndpointClient:
 
     async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] = LOOKUP_DELAYS_S) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
-        retried after each of `delays_s`. None when it never appears: reconciliation is best-effort."""
+        retried after each of `delays_s`, and so is a record that costs nothing and counts no tokens (one still
+        being written: taken as final, it settled paid answers at $0 and let the cap stop nothing). A free
+        model's record counts its tokens. None when no record appears: reconciliation is best-effort."""
         if self._session is None:
             return None
         url = generation_lookup_url(self.cfg, generation_id)
@@ -823,7 +878,23 @@ class EndpointClient:
                 continue
             data = body.get("data") if isinstance(body, dict) else None
             cost = data.get("total_cost") if isinstance(data, dict) else None
-            if isinstance(cost, int | float) and not isinstance(cost, bool):
-                return float(cost)
-            return None
+            if not isinstance(cost, int | float) or isinstance(cost, bool):
+                return None
+            if isinstance(data, dict) and cost == 0 and not _counts_tokens(data):
+                continue
+            return float(cost)
         return None
+
+
+RECORD_TOKEN_FIELDS = (
+    "tokens_prompt",
+    "tokens_completion",
+    "native_tokens_prompt",
+    "native_tokens_completion",
+    "native_tokens_reasoning",
+)
+
+
+def _counts_tokens(record: dict[str, Any]) -> bool:
+    """Whether a generation record counts any token (OpenRouter's `tokens_*` and `native_tokens_*` fields)."""
+    return any(isinstance(record.get(k), int | float) and record[k] > 0 for k in RECORD_TOKEN_FIELDS)

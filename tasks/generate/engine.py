@@ -46,6 +46,7 @@ from tasks.common.shards import (
     write_parquet_atomic,
 )
 from tasks.common.shards import write_part as write_stage_part
+from tasks.estimate.prices import listed_price_factor
 from tasks.generate.chunks import (
     STAGE,
     chunk_dir,
@@ -546,10 +547,19 @@ def budget_stop_message(counted_usd: float, cap_usd: float | None, pending_usd: 
         if pending_usd > 0
         else ""
     )
+    how = (
+        "each request reserves its worst case, max_tokens at the configured prices or the higher ones the endpoint "
+        "lists or has billed, before it is sent, so the spend never crosses the cap"
+    )
+    if cap_usd is not None and counted_usd > cap_usd * (1 + 1e-9):
+        how = (
+            f"{format_usd(counted_usd - cap_usd)} over it: the endpoint billed above the configured "
+            "endpoint.price_*_usd_per_mtok, which the requests already in flight had reserved at; set the prices "
+            "it bills"
+        )
     return (
         f"stopped at the budget cap: {format_usd(counted_usd)} counted{pending} of endpoint.max_cost_usd="
-        f"{format_usd(cap_usd)} (each request reserves its worst case, max_tokens at the configured price, before it "
-        "is sent, so the spend never crosses the cap). Finished samples are committed and will not be sent again; "
+        f"{format_usd(cap_usd)} ({how}). Finished samples are committed and will not be sent again; "
         "to continue, raise endpoint.max_cost_usd and rerun."
     )
 
@@ -593,6 +603,10 @@ async def _generate_async(
         await settler.before_run(sending=any(s.todo for s in states))
         prior = settler.ledger.totals()
         client.budget = settler.budget = Budget(cfg.endpoint.max_cost_usd, prior.counted_usd)
+        if cfg.endpoint.max_cost_usd is not None and cfg.endpoint.kind == "openai_chat" and any(s.todo for s in states):
+            listed = await asyncio.to_thread(listed_price_factor, cfg.endpoint)
+            if listed is not None:
+                client.budget.raise_prices(listed[0], listed[1].removesuffix("; set the listed prices"))
         settler.count_from_here()
         run = _Run(cfg, states, client, journal, ledger, listener, prior, settler)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
@@ -638,7 +652,7 @@ async def _generate_async(
                         run.record(*task.result())
             run.commit_now()
             if isinstance(failure, FatalEndpointError):
-                raise await _settled_refusal(failure, settler, cfg) from failure
+                raise await _settled_refusal(failure, settler, ledger, cfg) from failure
             raise
         finally:
             reporter.cancel()
@@ -647,14 +661,19 @@ async def _generate_async(
         return run
 
 
-async def _settled_refusal(exc: FatalEndpointError, settler: Settler, cfg: PipelineConfig) -> FatalEndpointError:
+async def _settled_refusal(
+    exc: FatalEndpointError, settler: Settler, ledger: LedgerWriter, cfg: PipelineConfig
+) -> FatalEndpointError:
     """A refusal (402 out of credit, a revoked key) cancels the streams in flight: they were billed for what
     they generated, and their generation records already say how much. Settled now, the run directory's spend is
-    the bill when the command exits, and the one line it prints says what is still pending."""
+    the bill when the command exits, and the one line it prints says what is still pending (read after the
+    settlement's records are written: the group commit had not yet written them, and the line named as pending
+    what had just been settled)."""
     try:
         await settler.after_run(cfg.run_dir)
     except Exception as settle_exc:  # the refusal is the error to report; settlement is retried by the next run
         log.warning("settling after the endpoint's refusal failed: %s", settle_exc)
+    ledger.log.flush()
     totals = SpendLedger.load(cfg.run_dir).totals()
     notice = pending_notice(totals.to_dict(), cfg.endpoint.account_settlement)
     spent = f" This run directory's recorded spend: {format_usd(totals.billed_usd)} billed."

@@ -82,7 +82,7 @@ class ProgressSnapshot:
 
 Listener = Callable[[ProgressSnapshot], None]
 
-RunEventKind = Literal["outage_start", "outage_end", "budget_stop", "settled"]
+RunEventKind = Literal["outage_start", "outage_end", "budget_stop", "settled", "price_drift"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ EVENT_LABELS: dict[str, str] = {
     "outage_end": "endpoint outage ended",
     "budget_stop": "stopped at the budget cap",
     "settled": "pending spend settled",
+    "price_drift": "billed above the configured prices",
 }
 
 
