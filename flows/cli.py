@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -245,16 +246,6 @@ def _redactor(cfg: PipelineConfig) -> Callable[[object], str]:
         return str
     secret = key
     return lambda text: str(text).replace(secret, "***")
-
-
-def _config_error(exc: Exception) -> str:
-    """Pydantic echoes offending input values; an api_key typo must not reach the terminal."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_input=False)]
-        return "invalid config:\n" + "\n".join(lines)
-    return str(exc)
 
 
 def print_dataset_table(rows: list[dict[str, Any]], title: str = "responses per dataset") -> None:
@@ -544,7 +535,7 @@ def _redact(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Every error a user can fix is one line on stderr and a code from flows/exit_codes.py; `--debug` (anywhere
-    on the line) shows the traceback instead."""
+    on the line) shows the traceback before it (redacted like the line), with the same exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cli_common.DEBUG = "--debug" in argv
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
@@ -554,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     except Exception as exc:
-        if cli_common.DEBUG:
-            raise
+        if cli_common.DEBUG:  # the traceback too, and the same exit code as without --debug
+            print(_redact("".join(traceback.format_exception(exc))), file=sys.stderr)
         print(error_line(exc, _redact), file=sys.stderr)
         return int(exit_code_for(exc))
     return int(result)

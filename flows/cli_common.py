@@ -89,6 +89,7 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
     from rich.table import Table
 
     from tasks.common.run_summary import stage_rows
+    from tasks.generate.progress import format_usd
 
     console = Console()
     console.print(f"\n[bold]{what} finished in {wall_s:.1f} s[/bold]; run directory: {stats['run_dir']}")
@@ -115,8 +116,8 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
     console.print(
         f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
         f"({prep['quarantine_path']})\n"
-        f"requests sent {gen['requests_sent']}, billed ${gen['cost_usd'] or 0:.4f}, "
-        f"pending ${gen.get('pending_usd') or 0:.4f}; "
+        f"this run: requests sent {gen['requests_sent']}, billed {format_usd(gen['cost_usd'] or 0)}, "
+        f"pending {format_usd(gen.get('pending_usd') or 0)}; "
         f"report: {stats['run_dir']}/reports/report.html"
     )
     print_parity(console, stats.get("scores"))

@@ -8,8 +8,10 @@ anything raised into `error_line(exc)` on stderr and `exit_code_for(exc)`. No Pr
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Callable
 from enum import IntEnum
+from typing import Any
 
 
 class ExitCode(IntEnum):
@@ -87,14 +89,22 @@ def _is_transport_error(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientConnectionError | httpx.TransportError | ConnectionError)
 
 
-def _config_error_line(exc: BaseException) -> str:
+_KEY_WITH_VALUE = re.compile(r"^([^:=]*?)\s*([:=])\s*\S.*$", re.DOTALL)
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    """A config location, with whatever follows a `:` or `=` inside a key masked: `api_key:sk-...` (no space
+    after the colon) is one unknown key in YAML, and its name is the key."""
+    parts = [_KEY_WITH_VALUE.sub(r"\1\2***", str(p)) for p in loc]
+    return ".".join(parts) or "(top level)"
+
+
+def config_error_line(exc: BaseException) -> str:
     """Pydantic echoes offending input values (an api_key typo must not reach the terminal): locations only."""
     from pydantic import ValidationError
 
     assert isinstance(exc, ValidationError)
-    problems = [
-        f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors(include_input=False)
-    ]
+    problems = [f"{_location(e['loc'])}: {e['msg']}" for e in exc.errors(include_input=False)]
     return f"invalid config ({exc.title}): " + "; ".join(problems)
 
 
@@ -118,7 +128,7 @@ def error_line(exc: BaseException, redact: Callable[[str], str] = str) -> str:
     """One line naming what went wrong and what to change; the API key (if `redact` knows it) never shows."""
     code = exit_code_for(exc)
     if _is_validation_error(exc):
-        text = _config_error_line(exc)
+        text = config_error_line(exc)
     elif isinstance(exc, OSError) and code is ExitCode.USER and exc.errno is not None:
         text = _os_error_line(exc)
     elif code is ExitCode.INTERNAL:

@@ -11,14 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from blocks.artifact_store import ArtifactStoreBlock
 from blocks.backend import HiddenStateBackendBlock
 from blocks.endpoint import InferenceEndpointBlock
 from blocks.tokenizer import TokenizerSourceBlock
+from flows.exit_codes import config_error_line
 from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig, apply_overrides, load_config
+from tasks.common.errors import ConfigError
 
 
 class RunParameters(BaseModel):
@@ -96,6 +98,16 @@ def _load_block(cls: type[Any], name: str) -> Any:
 
 
 def resolve_run(params: RunParameters) -> ResolvedRun:
+    """The run's config: the YAML (or the inline mapping) with the form's overrides and the named blocks. An
+    invalid one raises a ConfigError of one line (pydantic's own message echoes input values, a key's among them,
+    into the flow run's state)."""
+    try:
+        return _resolve_run(params)
+    except ValidationError as exc:
+        raise ConfigError(config_error_line(exc)) from None
+
+
+def _resolve_run(params: RunParameters) -> ResolvedRun:
     if params.config_path is not None:
         cfg = load_config(Path(params.config_path), params.overrides)
     else:

@@ -264,3 +264,37 @@ def test_help_documents_the_exit_codes_and_every_option() -> None:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
     version = cli("--version")
     assert version.returncode == 0 and version.stdout.startswith("eagle3-datagen ")
+
+
+def test_debug_adds_the_traceback_and_keeps_the_exit_code(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`--debug` re-raised the error, so every failure exited 1 (a bug) instead of its documented code."""
+    missing = str(tmp_path / "missing.yaml")
+    plain = run_main(capsys, "estimate", missing)
+    debug = run_main(capsys, "--debug", "estimate", missing)
+    from flows import cli_common
+
+    cli_common.DEBUG = False
+    assert plain.returncode == debug.returncode == ExitCode.USER
+    assert "Traceback" in debug.stderr and "Traceback" not in plain.stderr
+    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip().splitlines()[-1]
+
+
+def test_a_key_typed_without_a_space_after_the_colon_is_not_printed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`{api_key:sk-...}` (flow style, no space) is one unknown key in YAML whose name holds the key: the error
+    names the location with the value masked, on the command line and in a flow run's state."""
+    from flows.params import RunParameters, resolve_run
+    from tasks.common.errors import ConfigError
+
+    config = yaml.safe_load((REPO / "configs" / "run.yaml").read_text())
+    path = tmp_path / "configs" / "run.yaml"
+    path.parent.mkdir()
+    text = yaml.safe_dump(config).replace("endpoint:\n", f"endpoint:\n  api_key:{API_KEY}: null\n", 1)
+    path.write_text(text)
+    failed = run_main(capsys, "estimate", str(path))
+    assert failed.returncode == ExitCode.USER and API_KEY not in failed.stderr + failed.stdout
+    assert "endpoint.api_key:***: Extra inputs are not permitted" in failed.stderr
+    with pytest.raises(ConfigError) as refused:
+        resolve_run(RunParameters(config_path=str(path)))
+    assert API_KEY not in str(refused.value) and refused.value.__cause__ is None

@@ -17,7 +17,7 @@ from endpoint_sim.server import SimulatorServer
 from tasks.common.config import SamplingConfig
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.progress import format_usd
-from tests.test_generate_failures import make_cfg, question, responses, run, write_prompts
+from tests.test_generate_failures import committed_chunks, make_cfg, question, responses, run, write_prompts
 
 PROMPTS = 4
 
@@ -90,13 +90,18 @@ def test_a_generation_record_still_being_written_is_not_the_bill(
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
 
 
+@pytest.mark.parametrize("grace_s", [0.0, 5.0])
 def test_a_refusal_mid_run_settles_the_streams_it_cut_before_the_command_exits(
-    tmp_path: Path, tokenizer_dir: Path
+    grace_s: float, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The key runs out of credit (402, no Retry-After) while streams are in flight: they are cancelled, and the
-    provider billed what they generated. The refusal's error settles them from their generation records first,
-    so the spend recorded when the command exits is the bill, and the error says what was spent."""
+    """The key runs out of credit (402, no Retry-After) while streams are in flight: those that do not end within
+    the grace are cancelled, and the provider billed what they generated. The refusal's error settles them from
+    their generation records first, so the spend recorded when the command exits is the bill, and the error says
+    what was spent. Within the grace (5 s here, long enough for these streams) they finish and are kept."""
     from tasks.common.errors import FatalEndpointError
+    from tasks.generate import engine
+
+    monkeypatch.setattr(engine, "REFUSAL_GRACE_S", grace_s)
 
     write_prompts(tmp_path, [question("refused", i) for i in range(40)])
     sim_cfg = SimConfig(seed=8, key_limit_usd=0.0004, stream_chunk_delay_s=0.02, latency_s=0.05)
@@ -107,7 +112,12 @@ def test_a_refusal_mid_run_settles_the_streams_it_cut_before_the_command_exits(
         provider = float(sim.billing()["total_usd"])
     totals = SpendLedger.load(tmp_path).totals()
     assert "HTTP 402" in str(refused.value)
-    assert totals.settled_by.get("generation", 0) > 0, "no stream was in flight when the key ran out"
+    if grace_s:  # every paid attempt is an answer kept in a committed chunk
+        paid = [a for a in SpendLedger.load(tmp_path).attempts.values() if a.billed_usd > 0]
+        done = [r for r in committed_chunks(tmp_path).values() if r["status"] == "done"]
+        assert not totals.settled_by and len(done) == len(paid) > 0
+    else:
+        assert totals.settled_by.get("generation", 0) > 0, "no stream was in flight when the key ran out"
     assert totals.pending_attempts == 0
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
     # the line printed is what the ledger holds once settled, not what it held before
@@ -140,3 +150,26 @@ def test_answers_with_reasoning_for_a_format_without_it_stop_the_run_early(tmp_p
     assert totals.answered_attempts >= FIRST_ANSWERS
     kept = [r for r in durable_rows(tmp_path).values() if r["status"] == "done"]
     assert len(kept) >= FIRST_ANSWERS and all(r["reasoning"] for r in kept)
+
+
+def test_a_mistyped_key_leaves_nothing_pending(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Every request of a run with a wrong key is refused (401): none is billed. Cancelled the moment the first
+    refusal arrived, the others in flight were counted pending at worst case for the life of the run directory
+    (21 of 32, 94% of a small cap, never settled: a 401 has no generation id), and the rerun with the right key
+    stopped at the cap after 2 samples. They now end with their own refusal, at $0."""
+    from tasks.common.errors import FatalEndpointError
+
+    write_prompts(tmp_path, [question("typo", i) for i in range(40)])
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=10, required_api_key="sk-or-GOOD", latency_s=0.05)) as sim:
+        settings = {"max_in_flight": 32, "max_cost_usd": 0.05, "api_key": "sk-or-TYPO"}
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=512), **settings)
+        with pytest.raises(FatalEndpointError, match="HTTP 401") as refused:
+            run(cfg, None)  # type: ignore[arg-type]
+        assert sim.billing()["total_usd"] == 0
+        totals = SpendLedger.load(tmp_path).totals()
+        assert totals.attempts > 1 and totals.pending_attempts == 0 and totals.counted_usd == 0, totals
+        assert "pending" not in str(refused.value)
+        settings["api_key"] = "sk-or-GOOD"
+        fixed = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=512), **settings)
+        summary = run(fixed, None).total()  # type: ignore[arg-type]
+        assert summary["done"] == 40 and summary["stopped"] is None

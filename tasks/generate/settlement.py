@@ -297,7 +297,7 @@ def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None
         "it, endpoint.account_settlement: exclusive_key settles them from the key's usage"
     )
     return (
-        f"pending: {format_usd(spend.get('pending_usd'))} over {count} attempts sent without an answer this "
-        f"process could read (timeouts, resets, kills), counted at their worst case against endpoint.max_cost_usd "
-        f"beside {format_usd(spend.get('billed_usd'))} billed; {how}."
+        f"pending: {format_usd(spend.get('pending_usd'))} over {count} attempts in this run directory sent without "
+        f"an answer a process could read (timeouts, resets, kills), counted at their worst case against "
+        f"endpoint.max_cost_usd beside {format_usd(spend.get('billed_usd'))} billed; {how}."
     )
