@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs-dir", default="runs", help="where run directories go (a path every worker sees)")
     args = parser.parse_args(argv)
     InferenceEndpointBlock(
-        kind="sglang_generate", base_url=args.endpoint_url, model="sim/deepseek-v3.1-tiny", max_in_flight=64
+        kind="sglang_generate", base_url=args.endpoint_url, model="sim/deepseek-v4-sim", max_in_flight=64
     ).save("eagle3-endpoint", overwrite=True)
     ArtifactStoreBlock(location=str(Path(args.runs_dir).resolve())).save("eagle3-runs", overwrite=True)
     HiddenStateBackendBlock(backend="hf", device="cpu", dtype="bfloat16").save("eagle3-gpu-backend", overwrite=True)

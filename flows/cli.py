@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 import traceback
@@ -298,8 +299,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return EXIT_GATE if crossed else 0
     print(
         f"{budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)} "
-        f"In {cfg.run_dir}, e.g.: "
-        f"eagle3-datagen generate {args.config} --set endpoint.max_cost_usd=<higher>",
+        f"In {cfg.run_dir}, e.g.: eagle3-datagen generate {args.config} "
+        + "".join(f"--set {shlex.quote(s)} " for s in args.set or [] if not s.startswith("endpoint.max_cost_usd="))
+        + "--set endpoint.max_cost_usd=<higher>",
         file=sys.stderr,
     )
     return EXIT_BUDGET

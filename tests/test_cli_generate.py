@@ -110,11 +110,13 @@ def test_budget_cap_exits_3_and_a_higher_cap_continues_without_resending(
 ) -> None:
     # worst case per request ~ 1024 completion tokens * $2.5/Mtok = $0.0026; real answers cost ~ $0.0004
     config = write_config(tmp_path, sim, tokenizer_dir, max_cost_usd=0.0032, max_in_flight=1, min_in_flight=1)
-    stopped = generate_here(capsys, config, "--no-progress")
+    stopped = generate_here(capsys, config, "--no-progress", "--set", "endpoint.max_attempts=4")
     assert stopped.returncode == 3, stopped.stderr
     first = total_line(stopped)
     assert first["stopped"] == "budget" and 0 < first["done"] < SAMPLES
     assert "stopped at the budget cap" in stopped.stderr and "endpoint.max_cost_usd" in stopped.stderr
+    # the command it suggests is the one that ran (its overrides kept: one may name the run directory)
+    assert "--set endpoint.max_attempts=4 --set endpoint.max_cost_usd=<higher>" in stopped.stderr
     assert "Traceback" not in stopped.stderr
 
     # `status` shows what the stopped run bought: the stage table counts finished parts only, so the answers

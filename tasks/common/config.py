@@ -69,7 +69,9 @@ class EndpointConfig(StrictModel):
     base_url: str = "http://127.0.0.1:30000"
     model: str
     api_key: SecretStr | None = None
-    api_key_env: str | None = Field(default=None, description="Environment variable holding the API key.")
+    api_key_env: str | None = Field(
+        default=None, description="Environment variable holding the API key (read when api_key is not set)."
+    )
     max_in_flight: int = Field(default=2000, ge=1, le=100_000)
     request_timeout_s: float = Field(default=900.0, gt=0)
     connect_timeout_s: float = Field(default=30.0, gt=0)
