@@ -177,3 +177,10 @@ def test_provenance_records_the_template_kwargs(tmp_path: Path) -> None:
     provenance = tokenizer_provenance(TokenizerConfig(path=path, chat_template_kwargs={"thinking": True}))
     assert provenance["chat_template_kwargs"] == {"thinking": True}
     assert json.loads(json.dumps(provenance))["tokenizer_hash"] == tokenizer_hash(path)
+
+
+def test_a_directory_without_tokenizer_files_is_named_as_such(tmp_path: Path) -> None:
+    """transformers' own error for it asks to install sentencepiece or tiktoken, which is not the problem."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds no tokenizer files"):
+        load_tokenizer(TokenizerConfig(path=tmp_path))

@@ -100,6 +100,12 @@ def _load(path: str, trust_remote_code: bool, files_hash: str) -> PreTrainedToke
 def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:
     if not cfg.path.is_dir():
         raise ConfigError(f"tokenizer.path {cfg.path} is not a local directory")
+    files = tokenizer_file_hashes(cfg.path)
+    if not files:  # transformers would blame a missing sentencepiece or tiktoken install instead
+        raise ConfigError(
+            f"tokenizer.path {cfg.path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES[:6])}, ...): "
+            "point it at the target model's directory"
+        )
     return _load(str(cfg.path), cfg.trust_remote_code, tokenizer_hash(cfg.path))
 
 
