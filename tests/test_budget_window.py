@@ -11,7 +11,7 @@ from tasks.generate.client import AdaptiveWindow, Budget, BudgetExhausted
 
 def test_budget_waits_for_in_flight_requests_then_stops_only_when_nothing_can_free_room() -> None:
     async def scenario() -> list[str]:
-        budget = Budget(cap_usd=1.0, spent_before_usd=0.0)
+        budget = Budget(cap_usd=1.0, spent_before_usd=0.0, prices_seen=True)
         events: list[str] = []
         await budget.reserve(0.4)
         await budget.reserve(0.4)

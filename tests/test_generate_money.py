@@ -311,7 +311,7 @@ def test_retries_are_served_before_fresh_samples_when_the_budget_is_short() -> N
     from tasks.generate.client import Budget
 
     async def scenario() -> list[str]:
-        budget = Budget(cap_usd=1.0, spent_before_usd=0.0)
+        budget = Budget(cap_usd=1.0, spent_before_usd=0.0, prices_seen=True)
         await budget.reserve(1.0)  # one request in flight holds the whole cap
         order: list[str] = []
 

@@ -17,6 +17,7 @@ from endpoint_sim.server import SimulatorServer
 from tasks.common.config import SamplingConfig
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.progress import format_usd
+from tasks.reconstruct.tokenizer_loading import load_tokenizer
 from tests.test_generate_failures import committed_chunks, make_cfg, question, responses, run, write_prompts
 
 PROMPTS = 4
@@ -160,16 +161,18 @@ def test_a_mistyped_key_leaves_nothing_pending(tmp_path: Path, tokenizer_dir: Pa
     from tasks.common.errors import FatalEndpointError
 
     write_prompts(tmp_path, [question("typo", i) for i in range(40)])
+    # SGLang's route: its prices are the config's by definition, so the capped window opens at once (32 in flight)
     with SimulatorServer(tokenizer_dir, SimConfig(seed=10, required_api_key="sk-or-GOOD", latency_s=0.05)) as sim:
-        settings = {"max_in_flight": 32, "max_cost_usd": 0.05, "api_key": "sk-or-TYPO"}
-        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=512), **settings)
+        settings: dict[str, object] = {"max_in_flight": 32, "max_cost_usd": 0.05, "api_key": "sk-or-TYPO"}
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "sglang", SamplingConfig(max_tokens=512), **settings)
+        tokenizer = load_tokenizer(cfg.tokenizer)
         with pytest.raises(FatalEndpointError, match="HTTP 401") as refused:
-            run(cfg, None)  # type: ignore[arg-type]
+            run(cfg, tokenizer)
         assert sim.billing()["total_usd"] == 0
         totals = SpendLedger.load(tmp_path).totals()
         assert totals.attempts > 1 and totals.pending_attempts == 0 and totals.counted_usd == 0, totals
         assert "pending" not in str(refused.value)
         settings["api_key"] = "sk-or-GOOD"
-        fixed = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=512), **settings)
-        summary = run(fixed, None).total()  # type: ignore[arg-type]
+        fixed = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "sglang", SamplingConfig(max_tokens=512), **settings)
+        summary = run(fixed, tokenizer).total()
         assert summary["done"] == 40 and summary["stopped"] is None

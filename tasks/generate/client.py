@@ -79,6 +79,7 @@ CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "
 GROWTH_PER_SUCCESS = 0.25
 LOOKUP_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 PRICE_FACTOR_STEP = 0.01
+UNSEEN_PRICES_IN_FLIGHT = 1
 """How far above the configured prices a bill must be before worst cases are counted higher: costs are rounded."""
 
 
@@ -292,14 +293,20 @@ class Budget:
     been seen to bill (its models listing, or an answer's own cost), and every reservation, those in flight
     included, counts at that factor: a provider billing 3x the configured prices otherwise carried the spend to
     1.8x the cap while each request "fit". Amounts passed to `reserve` and `settle` are at the config's prices.
+    Until the first answer's bill has been seen (`prices_seen`), one request is in flight at a time: a price
+    the listing does not show (an unlisted model, a provider billing above its listing) is then learned before
+    a whole window was reserved at the configured prices (16 requests in flight went to 1.77x the cap).
     """
 
-    def __init__(self, cap_usd: float | None, spent_before_usd: float) -> None:
-        """`spent_usd` counts billed plus pending at worst case (the ledger's `counted_usd`)."""
+    def __init__(self, cap_usd: float | None, spent_before_usd: float, prices_seen: bool = False) -> None:
+        """`spent_usd` counts billed plus pending at worst case (the ledger's `counted_usd`); `prices_seen`: the
+        configured prices are the cost by definition (a self-hosted server)."""
         self.cap_usd = cap_usd
         self.prior_usd = spent_before_usd
         self.spent_usd = spent_before_usd
         self.reserved_base_usd = 0.0
+        self.reservations = 0
+        self.prices_seen = prices_seen or cap_usd is None
         self.price_factor = 1.0
         self.stopped = False
         self.started = time.monotonic()
@@ -312,10 +319,17 @@ class Budget:
         return self.reserved_base_usd * self.price_factor
 
     def _fits(self, amount: float) -> bool:
-        return (
-            self.cap_usd is None
-            or self.spent_usd + (self.reserved_base_usd + amount) * self.price_factor <= self.cap_usd
-        )
+        if self.cap_usd is None:
+            return True
+        if not self.prices_seen and self.reservations >= UNSEEN_PRICES_IN_FLIGHT:
+            return False
+        return self.spent_usd + (self.reserved_base_usd + amount) * self.price_factor <= self.cap_usd
+
+    def saw_prices(self) -> None:
+        """An answer's bill has been seen (and any higher price learned from it): the whole window may open."""
+        if not self.prices_seen:
+            self.prices_seen = True
+            self._admit_waiters()
 
     def _exhausted(self, amount: float) -> BudgetExhausted:
         return BudgetExhausted(
@@ -346,6 +360,7 @@ class Budget:
             raise self._exhausted(amount)
         if not self._retry_waiters and (retry or not self._waiters) and self._fits(amount):
             self.reserved_base_usd += amount
+            self.reservations += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         (self._retry_waiters if retry else self._waiters).append((fut, amount))
@@ -355,6 +370,7 @@ class Budget:
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.reserved_base_usd = max(0.0, self.reserved_base_usd - amount)
+                self.reservations -= 1
             raise
 
     def _admit_waiters(self) -> None:
@@ -366,8 +382,9 @@ class Budget:
             elif self._fits(amount):
                 queue.popleft()
                 self.reserved_base_usd += amount
+                self.reservations += 1
                 fut.set_result(None)
-            elif self.reserved_base_usd <= 0.0:
+            elif self.reservations <= 0:
                 self.stopped = True
                 emit_event(
                     RunEvent(
@@ -392,7 +409,8 @@ class Budget:
         self.spent_usd += billed
         if self.cap_usd is not None:
             self.reserved_base_usd = max(0.0, self.reserved_base_usd - reserved)
-            if self.reserved_base_usd < 1e-12:
+            self.reservations = max(0, self.reservations - 1)
+            if self.reserved_base_usd < 1e-12 or not self.reservations:
                 self.reserved_base_usd = 0.0
             self._admit_waiters()
 
@@ -652,19 +670,21 @@ class EndpointClient:
 
     def _learn_prices(self, reserve: float, billed: float | None, result: GenerationResult | None) -> None:
         """Worst cases count at the prices the endpoint bills when they are above the config's: an answer's cost
-        against its own tokens at the configured prices, or any bill above the attempt's whole worst case."""
-        if not billed or reserve <= 0:
-            return
-        factor = billed / reserve
-        priced = None if result is None else price_cost(self.cfg, result.prompt_tokens, result.completion_tokens)
-        if priced:
-            factor = max(factor, billed / priced)
-        if factor > 1.0 + PRICE_FACTOR_STEP:
-            self.budget.raise_prices(
-                factor,
-                f"the endpoint billed ${billed:.6f} for an answer the configured prices put at "
-                f"${priced if priced else reserve:.6f}",
-            )
+        against its own tokens at the configured prices, or any bill above the attempt's whole worst case. An
+        answer (`result`) opens the budget's whole window."""
+        if billed and reserve > 0:
+            factor = billed / reserve
+            priced = None if result is None else price_cost(self.cfg, result.prompt_tokens, result.completion_tokens)
+            if priced:
+                factor = max(factor, billed / priced)
+            if factor > 1.0 + PRICE_FACTOR_STEP:
+                self.budget.raise_prices(
+                    factor,
+                    f"the endpoint billed ${billed:.6f} for an answer the configured prices put at "
+                    f"${priced if priced else reserve:.6f}",
+                )
+        if result is not None:
+            self.budget.saw_prices()
 
     def _admitted(self, tag: AttemptTag | None, worst_usd: float, trial: bool) -> str | None:
         """Right after a window slot is granted, before the POST: refuse if the run hit a run-fatal answer, else

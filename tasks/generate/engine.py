@@ -605,7 +605,9 @@ async def _generate_async(
         settler = Settler(cfg, client, ledger, spend)
         await settler.before_run(sending=any(s.todo for s in states))
         prior = settler.ledger.totals()
-        client.budget = settler.budget = Budget(cfg.endpoint.max_cost_usd, prior.counted_usd)
+        # a self-hosted server's cost is the configured prices by definition
+        seen = cfg.endpoint.kind == "sglang_generate"
+        client.budget = settler.budget = Budget(cfg.endpoint.max_cost_usd, prior.counted_usd, prices_seen=seen)
         if cfg.endpoint.max_cost_usd is not None and cfg.endpoint.kind == "openai_chat" and any(s.todo for s in states):
             listed = await asyncio.to_thread(listed_price_factor, cfg.endpoint)
             if listed is not None:
