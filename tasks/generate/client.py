@@ -79,8 +79,9 @@ CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "
 GROWTH_PER_SUCCESS = 0.25
 LOOKUP_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 PRICE_FACTOR_STEP = 0.01
-UNSEEN_PRICES_IN_FLIGHT = 1
 """How far above the configured prices a bill must be before worst cases are counted higher: costs are rounded."""
+UNSEEN_PRICES_IN_FLIGHT = 1
+"""Requests a capped run keeps in flight until an answer's bill has been seen (`Budget.prices_seen`)."""
 
 
 def _refuses_run(status: int, retry_after: str | None) -> bool:
@@ -345,8 +346,8 @@ class Budget:
         emit_event(
             RunEvent(
                 "price_drift",
-                f"{why}: worst cases now count at {factor:.2f}x the configured endpoint.price_*_usd_per_mtok "
-                "against the cap; set the prices the endpoint bills",
+                f"{why}: worst cases (what the cap reserves, what a pending attempt counts) now count at "
+                f"{factor:.2f}x the configured endpoint.price_*_usd_per_mtok; set the prices the endpoint bills",
                 time.monotonic() - self.started,
             )
         )
@@ -524,7 +525,6 @@ class EndpointClient:
         request = build_request(self.cfg, messages, self.tokenizer, sample_index)
         metered = budget.cap_usd is not None or self.ledger is not None
         reserve = self.worst_case_usd(request, messages) if metered else 0.0  # at the config's prices
-        worst = reserve
         # The bytes aiohttp's `json=` would encode on every attempt; what waits for the window and what a retry
         # resends is then one bytes object, not a dict tree.
         url, prompt_ids, data = request.url, request.prompt_ids, json.dumps(request.payload).encode()
@@ -541,7 +541,7 @@ class EndpointClient:
                     return SampleOutcome(
                         None, "budget", str(exc), attempt, None, retries or [], cost, budget_stopped=True
                     )
-                worst = reserve * budget.price_factor  # this attempt's worst case at the prices billed so far
+            worst = reserve * budget.price_factor  # this attempt's worst case at the prices billed so far
             attempt += 1
             started = time.perf_counter()
             uid: str | None = None  # set once the attempt's "sent" record is written, right before the POST
