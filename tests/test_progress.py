@@ -19,7 +19,7 @@ from tasks.common.schemas import PROMPTS, RESPONSES
 from tasks.common.shards import PartRef, stage_metadata, write_parquet_atomic, write_part
 from tasks.generate.dataset_summary import dataset_rows
 from tasks.generate.ledger import LedgerWriter
-from tasks.generate.progress import ProgressSnapshot, emit, format_counts, status_fields, status_line
+from tasks.generate.progress import ProgressSnapshot, emit, format_counts, format_usd, status_fields, status_line
 from tasks.generate.progress_display import ProgressDisplay, render, show_progress
 
 RUNNING = ProgressSnapshot(
@@ -391,3 +391,9 @@ def test_prefect_listener_needs_a_run() -> None:
 
     with pytest.raises(RuntimeError, match="inside a Prefect flow or task run"):
         PrefectProgressListener()
+
+
+def test_a_sum_in_another_order_prints_the_same_amount() -> None:
+    """0.03525 summed in two orders printed $0.0353 in `run` and $0.0352 in `status`."""
+    assert format_usd(0.0352499999999) == format_usd(0.03525000001) == format_usd(0.03525) == "$0.0353"
+    assert format_usd(1234.565) == "$1,234.57" and format_usd(None) == "-"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Literal
 
 
@@ -166,10 +167,15 @@ def emit(snapshot: ProgressSnapshot, extra: list[Listener] | None = None) -> Non
 
 
 def format_usd(value: float | None) -> str:
-    """Cents for ordinary amounts; four decimals below a dollar, where a demo or a small test run lives."""
+    """Cents for ordinary amounts; four decimals below a dollar, where a demo or a small test run lives. Halves
+    round up after rounding to 1e-10: the same spend summed in another order (0.03525 as 0.0352499999 or
+    0.0352500001) printed $0.0352 in one place and $0.0353 in another."""
     if value is None:
         return "-"
-    return f"${value:,.2f}" if abs(value) >= 1 else f"${value:.4f}"
+    exact = Decimal(f"{value:.10f}")
+    places = Decimal("0.01") if abs(exact) >= 1 else Decimal("0.0001")
+    rounded = exact.quantize(places, rounding=ROUND_HALF_UP)
+    return f"${rounded:,.2f}" if abs(exact) >= 1 else f"${rounded:.4f}"
 
 
 def format_duration(seconds: float | None) -> str:
