@@ -102,7 +102,11 @@ def listed_price_factor(ep: EndpointConfig, timeout_s: float = 5.0) -> tuple[flo
     factor = max(ratios)
     if factor <= 1.0 + PRICE_TOLERANCE_FRAC or math.isinf(factor):
         return None
-    return factor, _disagreement(configured, listed) or ""
+    prompt, completion, url = listed
+    return factor, (
+        f"the endpoint's models listing {url} prices {ep.model} at ${prompt:g} / ${completion:g} per Mtok, above "
+        f"the configured ${configured[0]:g} / ${configured[1]:g}"
+    )
 
 
 def resolve_prices(ep: EndpointConfig, lookup: bool = True, timeout_s: float = 5.0) -> Prices:

@@ -611,7 +611,7 @@ async def _generate_async(
         if cfg.endpoint.max_cost_usd is not None and cfg.endpoint.kind == "openai_chat" and any(s.todo for s in states):
             listed = await asyncio.to_thread(listed_price_factor, cfg.endpoint)
             if listed is not None:
-                client.budget.raise_prices(listed[0], listed[1].removesuffix("; set the listed prices"))
+                client.budget.raise_prices(*listed)
         settler.count_from_here()
         run = _Run(cfg, states, client, journal, ledger, listener, prior, settler)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))
