@@ -176,3 +176,26 @@ def test_a_mistyped_key_leaves_nothing_pending(tmp_path: Path, tokenizer_dir: Pa
         fixed = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "sglang", SamplingConfig(max_tokens=512), **settings)
         summary = run(fixed, tokenizer).total()
         assert summary["done"] == 40 and summary["stopped"] is None
+
+
+def test_answers_reconciliation_could_not_look_up_are_announced(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`reconcile_cost` asks for the bill's own figure; when no generation record appears, the answer keeps its
+    own usage.cost, and the run says how many did (it used to be silent)."""
+    from tasks.generate import client
+    from tasks.generate.progress import RunEvent, add_event_listener
+
+    monkeypatch.setattr(client, "LOOKUP_DELAYS_S", (0.05,))
+    events: list[RunEvent] = []
+    remove = add_event_listener(events.append)
+    try:
+        sim_cfg = SimConfig(seed=11, generation_lookup_delay_s=60.0)
+        summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "chat", reconcile_cost=True)
+    finally:
+        remove()
+    assert summary["done"] == PROMPTS
+    assert all(r["billed_cost_usd"] is None for r in responses(tmp_path).values())
+    assert SpendLedger.load(tmp_path).totals().counted_usd == pytest.approx(provider, abs=1e-12)
+    notices = [e.message for e in events if e.kind == "unreconciled"]
+    assert len(notices) == 1 and notices[0].startswith(f"{PROMPTS} answers are recorded at their own usage.cost")

@@ -444,6 +444,8 @@ class EndpointClient:
         self.pending_attempts = 0
         self.unsent_attempts = 0
         self.retries_by_reason: Counter[str] = Counter()
+        self.unreconciled = 0
+        """Answers `reconcile_cost` could not look up (no generation record with a cost): kept at their own cost."""
         self.started = time.monotonic()
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
@@ -661,6 +663,8 @@ class EndpointClient:
                     result.billed_cost_usd = await self.lookup_cost(result.generation_id)
                     if result.billed_cost_usd is not None:
                         paid = result.billed_cost_usd
+                    else:
+                        self.unreconciled += 1
             finally:  # a cancelled lookup still leaves the answer recorded as answered, at its reported cost
                 budget.settle(reserve, paid)
                 self._ended(uid, "answered", paid, result.generation_id, None, worst)
@@ -876,7 +880,7 @@ class EndpointClient:
             raise SampleFatalError("context_length", f"HTTP {status}, prompt too long (not retried): {snippet}")
         raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}")
 
-    async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] = LOOKUP_DELAYS_S) -> float | None:
+    async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] | None = None) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
         retried after each of `delays_s`, and so is a record that costs nothing and counts no tokens (one still
         being written: taken as final, it settled paid answers at $0 and let the cap stop nothing). A free
@@ -884,7 +888,7 @@ class EndpointClient:
         if self._session is None:
             return None
         url = generation_lookup_url(self.cfg, generation_id)
-        for delay in (0.0, *delays_s):
+        for delay in (0.0, *(LOOKUP_DELAYS_S if delays_s is None else delays_s)):
             if delay:
                 await asyncio.sleep(delay)
             try:

@@ -58,13 +58,13 @@ from tasks.generate.chunks import (
     merge_row,
     read_chunk,
 )
-from tasks.generate.client import AttemptTag, Budget, EndpointClient, SampleOutcome
+from tasks.generate.client import LOOKUP_DELAYS_S, AttemptTag, Budget, EndpointClient, SampleOutcome
 from tasks.generate.collector import tuned_collector
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
 from tasks.generate.heap_trim import trimmed_heap
 from tasks.generate.journal import AppendLog
 from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
-from tasks.generate.progress import Listener, ProgressSnapshot, emit, format_usd
+from tasks.generate.progress import Listener, ProgressSnapshot, RunEvent, emit, emit_event, format_usd
 from tasks.generate.reasoning_guard import UnexpectedReasoning
 from tasks.generate.rerun_policy import resend, settings_fingerprint
 from tasks.generate.run_lock import run_dir_lock
@@ -647,6 +647,17 @@ async def _generate_async(
                     await run.commit()
             await run.commit()
             await settler.after_run(cfg.run_dir)
+            if client.unreconciled:
+                emit_event(
+                    RunEvent(
+                        "unreconciled",
+                        f"{client.unreconciled} answers are recorded at their own usage.cost (or the configured "
+                        "prices): endpoint.reconcile_cost found no generation record with a cost for them "
+                        f"(GET /api/v1/generation, {sum(LOOKUP_DELAYS_S):g} s of lookups each), so their recorded "
+                        "cost is the answer's, not the bill's",
+                        time.monotonic() - client.started,
+                    )
+                )
         except BaseException as failure:
             if isinstance(failure, FatalEndpointError) and running:
                 # The requests in flight were sent with the same key to the same endpoint: most get the same

@@ -83,7 +83,7 @@ class ProgressSnapshot:
 
 Listener = Callable[[ProgressSnapshot], None]
 
-RunEventKind = Literal["outage_start", "outage_end", "budget_stop", "settled", "price_drift"]
+RunEventKind = Literal["outage_start", "outage_end", "budget_stop", "settled", "price_drift", "unreconciled"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ EVENT_LABELS: dict[str, str] = {
     "budget_stop": "stopped at the budget cap",
     "settled": "pending spend settled",
     "price_drift": "billed above the configured prices",
+    "unreconciled": "costs not reconciled",
 }
 
 
