@@ -113,18 +113,19 @@ def _tell(line: str) -> None:
 
 def _prepare_then_wait(cfg: PipelineConfig, probe: bool) -> None:
     """What `run` settles before it starts Prefect, in this order: the inputs (files, then rows: a dataset that is
-    empty or all quarantined is one line and exit 2 at once), then, only when something is left to send, the
-    endpoint, waited for up to endpoint.outage_abort_s with a line saying so right away. Preparing here is the
-    pipeline's own prepare step (append-only parts), which then finds them done."""
+    empty or all quarantined is one line and exit 2 at once), the tokenizer, its completion format and special
+    tokens (as `generate` checks them), then, only when something is left to send, the endpoint, waited for up
+    to endpoint.outage_abort_s with a line saying so right away (a wrong tokenizer.path used to be reported only
+    after that wait). Preparing here is the pipeline's own prepare step (append-only parts), which then finds
+    them done."""
+    from tasks.generate.preflight import preflight
     from tasks.prepare.datasets import prepare_datasets
+    from tasks.reconstruct.tokenizer_loading import load_tokenizer
     from tasks.status.sending import parts_to_send
 
     _preflight(cfg)
     parts = prepare_datasets(cfg).parts
-    if probe and parts_to_send(cfg, parts):
-        from tasks.generate.endpoint_wait import wait_for_endpoint
-
-        wait_for_endpoint(cfg.endpoint, announce=_tell)
+    preflight(cfg, load_tokenizer(cfg.tokenizer), probe=probe and bool(parts_to_send(cfg, parts)), announce=_tell)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -535,6 +536,23 @@ def _redact(text: str) -> str:
     return text
 
 
+def debug_traceback(exc: BaseException) -> str:
+    """The traceback `--debug` prints. A config error's own text is pydantic's, which echoes input values and
+    names an unknown key by its text (`api_key:sk-...`, a key typed without a space after the colon): anywhere in
+    the chain it is replaced by the masked line."""
+    from flows.exit_codes import config_error_line, is_validation_error
+
+    text = "".join(traceback.format_exception(exc))
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if is_validation_error(link):
+            text = text.replace(str(link), config_error_line(link))
+        link = link.__cause__ or link.__context__
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every error a user can fix is one line on stderr and a code from flows/exit_codes.py; `--debug` (anywhere
     on the line) shows the traceback before it (redacted like the line), with the same exit code."""
@@ -548,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:
         if cli_common.DEBUG:  # the traceback too, and the same exit code as without --debug
-            print(_redact("".join(traceback.format_exception(exc))), file=sys.stderr)
+            print(_redact(debug_traceback(exc)), file=sys.stderr)
         print(error_line(exc, _redact), file=sys.stderr)
         return int(exit_code_for(exc))
     return int(result)

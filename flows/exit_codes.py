@@ -41,7 +41,7 @@ def exit_code_table() -> str:
     return "\n".join(f"  {int(code)}  {text}" for code, text in EXIT_CODE_MEANINGS.items())
 
 
-def _is_validation_error(exc: BaseException) -> bool:
+def is_validation_error(exc: BaseException) -> bool:
     from pydantic import ValidationError
 
     return isinstance(exc, ValidationError)
@@ -69,7 +69,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.GATES
     if isinstance(
         exc, ConfigError | SchemaMismatchError | SpecialTokenError | InsufficientSpaceError
-    ) or _is_validation_error(exc):
+    ) or is_validation_error(exc):
         return ExitCode.USER
     if isinstance(exc, PermissionError | FileNotFoundError | IsADirectoryError | NotADirectoryError):
         return ExitCode.USER
@@ -127,7 +127,7 @@ def _os_error_line(exc: OSError) -> str:
 def error_line(exc: BaseException, redact: Callable[[str], str] = str) -> str:
     """One line naming what went wrong and what to change; the API key (if `redact` knows it) never shows."""
     code = exit_code_for(exc)
-    if _is_validation_error(exc):
+    if is_validation_error(exc):
         text = config_error_line(exc)
     elif isinstance(exc, OSError) and code is ExitCode.USER and exc.errno is not None:
         text = _os_error_line(exc)

@@ -136,6 +136,11 @@ def _bad_inputs(root: Path, sim: SimulatorServer, tokenizer_dir: Path) -> dict[s
         "empty dataset": ({"datasets": [{"name": "E", "path": "EMPTY"}]}, ExitCode.USER, "no rows"),
         "all rows quarantined": ({"datasets": [{"name": "Q", "path": "GARBAGE"}]}, ExitCode.USER, "quarantined"),
         "run_dir under a file": ({"run_dir": "FILE/run"}, ExitCode.USER, "is a file"),
+        "no tokenizer files": (  # reported before the endpoint is waited for (`run` waited first)
+            {"tokenizer.path": "NOTOKENIZER", "endpoint.base_url": _dead_url(), "endpoint.outage_abort_s": 60},
+            ExitCode.USER,
+            "holds no tokenizer files",
+        ),
     }
     out = {}
     for name, (changes, code, needle) in cases.items():
@@ -144,12 +149,14 @@ def _bad_inputs(root: Path, sim: SimulatorServer, tokenizer_dir: Path) -> dict[s
         (folder / "empty.jsonl").write_text("")
         (folder / "garbage.jsonl").write_text('{"nope": 1}\nnot json\n{"messages": []}\n')
         (folder / "file").write_text("I am a file")
+        (folder / "not-a-tokenizer").mkdir()
         resolved: dict[str, Any] = {}
         for key, value in changes.items():
             text = json.dumps(value)
             text = text.replace('"EMPTY"', json.dumps(str(folder / "empty.jsonl")))
             text = text.replace('"GARBAGE"', json.dumps(str(folder / "garbage.jsonl")))
             text = text.replace('"FILE/run"', json.dumps(str(folder / "file" / "run")))
+            text = text.replace('"NOTOKENIZER"', json.dumps(str(folder / "not-a-tokenizer")))
             resolved[key] = json.loads(text)
         out[name] = (write_config(folder, sim, tokenizer_dir, **resolved), code, needle)
     return out
@@ -214,7 +221,7 @@ def test_run_stops_before_prefect_on_what_a_preflight_can_see(
     cases = _bad_inputs(tmp_path, sim, tokenizer_dir)
     saved = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
     try:
-        for name in ("config typo", "missing dataset", "dead endpoint", "run_dir under a file"):
+        for name in ("config typo", "missing dataset", "dead endpoint", "run_dir under a file", "no tokenizer files"):
             config, code, needle = cases[name]
             before = snapshot(config.parent)
             assert_one_line_error(call(capsys, "run", str(config), "--no-progress"), code, needle)
@@ -295,6 +302,12 @@ def test_a_key_typed_without_a_space_after_the_colon_is_not_printed(
     failed = run_main(capsys, "estimate", str(path))
     assert failed.returncode == ExitCode.USER and API_KEY not in failed.stderr + failed.stdout
     assert "endpoint.api_key:***: Extra inputs are not permitted" in failed.stderr
+    debug = run_main(capsys, "--debug", "estimate", str(path))  # pydantic's own text in the traceback named it
+    from flows import cli_common
+
+    cli_common.DEBUG = False
+    assert "Traceback" in debug.stderr and API_KEY not in debug.stderr + debug.stdout
+    assert debug.returncode == ExitCode.USER
     with pytest.raises(ConfigError) as refused:
         resolve_run(RunParameters(config_path=str(path)))
     assert API_KEY not in str(refused.value) and refused.value.__cause__ is None
