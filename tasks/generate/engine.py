@@ -674,7 +674,7 @@ async def _generate_async(
                         run.record(*task.result())
             run.commit_now()
             if isinstance(failure, FatalEndpointError):
-                raise await _settled_refusal(failure, settler, ledger, cfg) from failure
+                raise await _settled_refusal(failure, settler, cfg) from failure
             raise
         finally:
             reporter.cancel()
@@ -683,9 +683,7 @@ async def _generate_async(
         return run
 
 
-async def _settled_refusal(
-    exc: FatalEndpointError, settler: Settler, ledger: LedgerWriter, cfg: PipelineConfig
-) -> FatalEndpointError:
+async def _settled_refusal(exc: FatalEndpointError, settler: Settler, cfg: PipelineConfig) -> FatalEndpointError:
     """A refusal (402 out of credit, a revoked key) cancels the streams in flight: they were billed for what
     they generated, and their generation records already say how much. Settled now, the run directory's spend is
     the bill when the command exits, and the one line it prints says what is still pending (read after the
@@ -695,7 +693,7 @@ async def _settled_refusal(
         await settler.after_run(cfg.run_dir)
     except Exception as settle_exc:  # the refusal is the error to report; settlement is retried by the next run
         log.warning("settling after the endpoint's refusal failed: %s", settle_exc)
-    ledger.log.flush()
+    settler.writer.flush()
     totals = SpendLedger.load(cfg.run_dir).totals()
     notice = pending_notice(totals.to_dict(), cfg.endpoint.account_settlement)
     spent = f" This run directory's recorded spend: {format_usd(totals.billed_usd)} billed."

@@ -287,5 +287,9 @@ class LedgerWriter:
     def deterministic_failure(self, sample_id: str, reason: str, fingerprint: str) -> None:
         self.log.submit({"k": "f", "id": sample_id, "r": reason, "fp": fingerprint})
 
+    def flush(self) -> None:
+        """Every record submitted so far is in the segment (and fsynced): for a reader of the run directory."""
+        self.log.flush()
+
     def close(self) -> None:
         self.log.close()

@@ -167,7 +167,7 @@ class Settler:
         """Once nothing is in flight: this run's pending attempts (read back from its flushed segment). With
         nothing pending there is nothing to settle, and the closing account reading (a wait of
         `account_settle_stable_s` at least) is skipped: the next run's opening reading covers this run's answers."""
-        self.writer.log.flush()
+        self.writer.flush()
         self.ledger = SpendLedger.load(run_dir)
         await self._settle_by_generation(LOOKUP_AFTER_RUN_S)
         if self.by_account and self._account_started and self.ledger.totals().pending_attempts:

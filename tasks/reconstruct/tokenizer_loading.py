@@ -67,8 +67,12 @@ def tokenizer_file_hashes(path: Path) -> dict[str, str]:
 
 
 def tokenizer_hash(path: Path) -> str:
+    return _digest(tokenizer_file_hashes(path))
+
+
+def _digest(file_hashes: dict[str, str]) -> str:
     digest = hashlib.sha256()
-    for name, file_hash in tokenizer_file_hashes(path).items():
+    for name, file_hash in file_hashes.items():
         digest.update(name.encode())
         digest.update(file_hash.encode())
     return digest.hexdigest()[:16]
@@ -106,7 +110,7 @@ def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:
             f"tokenizer.path {cfg.path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES[:6])}, ...): "
             "point it at the target model's directory"
         )
-    return _load(str(cfg.path), cfg.trust_remote_code, tokenizer_hash(cfg.path))
+    return _load(str(cfg.path), cfg.trust_remote_code, _digest(files))
 
 
 def tokenizer_provenance(cfg: TokenizerConfig) -> dict[str, Any]:
