@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# s3fs/aiobotocore/botocore/moto beside speculators' transformers cap.
 	$(BIN)/python -m pip install -q -c constraints.txt "$(TORCH_SPEC)" -e ".[dev,train]"
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio
+	# SpecForge's own readers, config loader and vocabulary utilities, for the export tests by meaning: it pins
+	# sglang and torch exactly, and none of the modules used here imports them.
+	$(BIN)/python -m pip install -q --no-deps "specforge==0.2.0"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -320,8 +320,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size,
         target_model=Path(args.target_model).resolve() if args.target_model else None,
         score_policy=args.score_policy,
+        max_length=args.max_length,
     )
     print(json.dumps(stats, indent=2))
+    for warning in stats["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -501,6 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--val-fraction", type=float, default=0.05, help="fraction of prompts held out (by hash)")
     export.add_argument("--draft-vocab-size", type=int, help="also write d2t/t2d with the trainer's own utility")
     export.add_argument("--target-model", help="target model directory (default: the one extract recorded)")
+    export.add_argument(
+        "--max-length",
+        type=int,
+        help="specforge: the data.max_length you will train with (default 2048, SpecForge's); the draft "
+        "vocabulary counts each sample's first MAX_LENGTH tokens, as SpecForge does",
+    )
     export.add_argument(
         "--score-policy",
         choices=["keep", "flag", "drop"],

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -58,10 +59,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> P
     return directory
 
 
-def stored(run_dir: Path) -> dict[str, dict[str, Any]]:
+def stored(run_dir: Path, parts: list[int] | None = None) -> dict[str, dict[str, Any]]:
     """What the run holds, per sample id: the reference every export is compared with."""
     out: dict[str, dict[str, Any]] = {}
-    for part in PART_LENGTHS:
+    for part in list(PART_LENGTHS) if parts is None else parts:
         masks = {r["sample_id"]: r["loss_mask"] for r in read_part(PartRef(run_dir, "tokens", part)).to_pylist()}
         for row in index_rows(run_dir, part):
             ids, aux, final = load_hidden_states(run_dir, row)
@@ -177,7 +178,9 @@ def test_speculators_export_reads_back(run_dir: Path, tmp_path: Path) -> None:
         assert item["hidden_states"].dtype == torch.bfloat16
         assert torch.equal(item["hidden_states"], expected["aux"])
         assert torch.equal(item["verifier_last_hidden_states"], expected["final"])
-    assert sorted(p.name for p in out.glob("data-*.arrow")) == [f"data-0000{k}-of-00006.arrow" for k in range(6)]
+    assert sorted(p.name for p in out.glob("data-*.arrow")) == [
+        f"data-0000{part}-{rows}.arrow" for part in range(3) for rows in ("heldout", "train")
+    ]
     manifest = json.loads((out / MANIFEST).read_text())
     n_train = len(rows) - manifest["validation"]["samples"]
     assert 0 < n_train < len(rows) and int(len(rows) * manifest["trainer"]["train_data_ratio"]) == n_train
@@ -252,6 +255,63 @@ def test_export_resumes_per_part_and_removes_stale_files(run_dir: Path, tmp_path
     assert third["parts_skipped"] == 2 and third["bytes_written"] > 0
     assert third["stale_files_removed"] == (2 if fmt == "specforge" else 1)
     assert not stale.exists() and (out / MANIFEST).exists()
+
+
+def test_speculators_export_follows_a_rerun_that_adds_a_part(
+    run_dir: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A part the rerun leaves alone keeps its row files (named by its part, not by the part count, which the
+    new part changes); the updated export reads back whole, and the draft-vocabulary files of the old rows (one
+    from an earlier `--draft-vocab-size`, one the trainer wrote) are gone while a no-op re-export keeps them."""
+    run, out = tmp_path / "run", tmp_path / "spec"
+    shutil.copytree(run_dir, run)
+    export_run(run, "speculators", out, val_fraction=0.0)
+    for name in ("d2t-64.npy", "t2d-64.npy"):
+        (out / name).write_bytes(b"a mapping of the old rows")
+    assert export_run(run, "speculators", out, val_fraction=0.0)["stale_files_removed"] == 0
+    assert (out / "d2t-64.npy").exists()
+    runner = HFHiddenStateRunner.load(tiny_model_dir, device="cpu", max_tokens_per_batch=64)
+    write_tokens(run, sample_ids([9, 11], seed=50, prefix="p3-"), part=3)
+    extract_part(make_cfg(run, tiny_model_dir, max_tokens_per_batch=64), 3, runner)
+    stats = export_run(run, "speculators", out, val_fraction=0.0)
+    assert stats["parts_skipped"] == 3 and stats["samples"] == sum(map(len, PART_LENGTHS.values())) + 2
+    assert stats["stale_files_removed"] == 2 and not list(out.glob("*-64.npy"))
+    reference = stored(run, [*PART_LENGTHS, 3])
+    order = manifest_order(out)
+    rows = speculators_rows(out)
+    assert len(rows) == len(order) == len(reference)
+    for index, row in enumerate(rows):
+        item = speculators_item(out, index, row)
+        assert item["input_ids"].tolist() == reference[order[index]]["ids"]
+        assert torch.equal(item["verifier_last_hidden_states"], reference[order[index]]["final"])
+
+
+def test_specforge_config_reads_a_tied_head_and_names_the_missing_index(
+    run_dir: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The tiny target ties its lm_head to its embedding and is one safetensors file: SpecForge 0.2.0's
+    `TargetHead` looks `model.lm_head_key` up in a `*.index.json`, so the config names the embedding's key and the
+    export warns, saying which index to write."""
+    out = tmp_path / "sf"
+    stats = export_run(run_dir, "specforge", out, val_fraction=0.3)
+    text = (out / "specforge_config.yaml").read_text()
+    config = yaml.safe_load(text)
+    assert config["model"] == {
+        "target_model_path": str(tiny_model_dir.resolve()),
+        "aux_hidden_state_layer_ids": [1, 3, 4],
+        "torch_dtype": "bfloat16",
+        "lm_head_key": "model.embed_tokens.weight",
+        "embedding_key": "model.embed_tokens.weight",
+    }
+    assert config["data"] == {
+        "hidden_states_path": str(out.resolve() / "train"),
+        "max_length": 2048,
+        "eval_hidden_states_path": str(out.resolve() / "eval"),
+    }
+    assert config["training"]["eval_interval"] > 0
+    [warning] = stats["warnings"]
+    assert "lm_head (model.embed_tokens.weight)" in warning and "mapping every tensor of model.safetensors" in warning
+    assert f"# WARNING: {warning}" in text and json.loads((out / MANIFEST).read_text())["warnings"] == [warning]
 
 
 def test_aux_only_runs_are_refused(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -10,8 +10,10 @@ one is. For each trainer:
 - speculators 0.9.0: its own `ArrowDataset` reads the export, and `Eagle3DraftModel.from_training_args` (its
   trainer's constructor) loads the verifier's norm and lm_head from the target's checkpoint; the targets are
   `verifier_lm_head(verifier_norm(verifier_last_hidden_states))`, the expression its `forward` computes.
-- SpecForge 0.2.0: its own `build_offline_eagle3_dataset` reads the export, `TargetHead.from_pretrained` loads
-  the lm_head, and its `_prepare_eagle_target` computes the teacher logits (shift included) as in training.
+- SpecForge 0.2.0: its own `load_config` reads the export's `specforge_config.yaml`, its own
+  `build_offline_eagle3_dataset` reads the files that config names, `TargetHead.from_pretrained` loads the lm_head
+  by the config's `model.lm_head_key`, and its `_prepare_eagle_target` computes the teacher logits (shift
+  included) as in training; also from a float32 run (SpecForge's head is bf16 whatever the config says).
 
 The comparison, at every position: top-1 agreement 1.0 with the model's own bf16 logits (a token tied for the
 model's top-1 counts) and every logit within bf16 rounding (measured: speculators, which normalizes in float32,
@@ -162,25 +164,22 @@ def test_speculators_targets_equal_the_model_logits(meaning_run: dict[str, Any])
     assert sum(wrong_rates) / len(wrong_rates) < 0.9, "the norm applied twice should not pass for the right targets"
 
 
-def test_specforge_targets_equal_the_model_logits(meaning_run: dict[str, Any]) -> None:
-    pytest.importorskip("specforge")
+def specforge_targets(out: Path, samples: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Per sample, the teacher logits SpecForge's own code computes from the export, reading everything the way
+    its offline trainer does: the config through its `load_config`, the files it names, the head by its key."""
+    from specforge.config.schema import load_config
     from specforge.data.preprocessing import build_offline_eagle3_dataset
     from specforge.modeling.target.target_head import TargetHead
     from specforge.training.strategies.base import _prepare_eagle_target
 
-    out = meaning_run["root"] / "specforge"
-    manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["trainer"]["aux_hidden_state_layer_ids"] == [1, 3, 4]
-    head = TargetHead.from_pretrained(str(meaning_run["model_dir"]))
-    dataset = build_offline_eagle3_dataset(str(out / manifest["trainer"]["train_hidden_states_path"]), max_len=4096)
+    config = load_config(str(out / "specforge_config.yaml"))
+    head = TargetHead.from_pretrained(config.model.target_model_path, lm_head_key=config.model.lm_head_key)
+    dataset = build_offline_eagle3_dataset(config.data.hidden_states_path, max_len=config.data.max_length)
     order = manifest_order(out)
-    wrong_rates = []
+    targets = {}
     for i in range(len(dataset)):
         item = dataset[i]
-        index = int(Path(dataset.datapaths[i]).stem.split("_")[1])
-        sid = order[index]
-        reference = meaning_run["logits"][sid]
-        length = len(meaning_run["samples"][sid])
+        sid = order[int(Path(dataset.datapaths[i]).stem.split("_")[1])]
         _, target, _ = _prepare_eagle_target(
             target_head=head,
             target_repr="hidden_state",
@@ -190,11 +189,49 @@ def test_specforge_targets_equal_the_model_logits(meaning_run: dict[str, Any]) -
             device=torch.device("cpu"),
         )
         # `TargetHead.preprocess` shifts left by one: position t holds the logits of position t + 1.
-        assert_same_meaning(target[0, : length - 1].float(), reference[1:])
+        targets[sid] = target[0, : len(samples[sid]) - 1].float()
+    return targets
+
+
+def test_specforge_targets_equal_the_model_logits(meaning_run: dict[str, Any]) -> None:
+    pytest.importorskip("specforge")
+    from specforge.modeling.target.target_head import TargetHead
+
+    out = meaning_run["root"] / "specforge"
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["trainer"]["config"]["model"]["aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert manifest["warnings"] == []
+    targets = specforge_targets(out, meaning_run["samples"])
+    assert len(targets) == len(LENGTHS)
+    head = TargetHead.from_pretrained(str(meaning_run["model_dir"]))
+    wrong_rates = []
+    for sid, target in targets.items():
+        reference = meaning_run["logits"][sid]
+        assert_same_meaning(target, reference[1:])
         with torch.no_grad():
             wrong = head(meaning_run["pre_norm"][sid][1:])
         wrong_rates.append(agreement(wrong.float(), reference[1:]))
     assert sum(wrong_rates) / len(wrong_rates) < 0.9, "states without the final norm should not pass"
+
+
+def test_a_float32_run_trains_in_specforge(meaning_run: dict[str, Any], tmp_path: Path) -> None:
+    """SpecForge 0.2.0's head is bf16 whatever its config says: a float32 run's states, exported as stored, failed
+    its matmul ("expected m1 and m2 to have the same dtype"); the export rounds them to bf16."""
+    pytest.importorskip("specforge")
+    model_dir, run = meaning_run["model_dir"], tmp_path / "run"
+    samples = sample_ids(LENGTHS, seed=51)
+    write_tokens(run, samples)
+    runner = HFHiddenStateRunner.load(model_dir, dtype="float32", device="cpu", max_tokens_per_batch=64)
+    extract_part(make_cfg(run, model_dir, max_tokens_per_batch=64, dtype="float32"), 0, runner)
+    stats = export_run(run, "specforge", tmp_path / "sf", val_fraction=0.0)
+    manifest = json.loads((tmp_path / "sf" / MANIFEST).read_text())
+    assert manifest["layouts"][0]["dtype"] == "float32" and manifest["exported_dtype"] == "bfloat16"
+    targets = specforge_targets(tmp_path / "sf", samples)
+    assert len(targets) == stats["samples"] == len(LENGTHS)
+    for sid, target in targets.items():
+        with torch.no_grad():
+            reference = meaning_run["model"](torch.tensor([samples[sid]])).logits[0].float()
+        assert agreement(target, reference[1:]) >= 0.95
 
 
 DRAFT_VOCAB = 64
@@ -233,14 +270,28 @@ def test_specforge_vocabulary_mapping_is_its_own(meaning_run: dict[str, Any], tm
     from specforge.data.preprocessing import process_token_dict_to_mappings
     from specforge.training.vocab_mapping import count_effective_feature_tokens
 
-    out = tmp_path / "sf"
-    export_run(meaning_run["root"] / "run", "specforge", out, val_fraction=0.3, draft_vocab_size=DRAFT_VOCAB)
-    manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["trainer"]["vocab_mapping_path"] == f"vocab_mapping-{DRAFT_VOCAB}.pt"
-    assert manifest["trainer"]["eval_hidden_states_path"] == "eval"
-    mapping = torch.load(out / manifest["trainer"]["vocab_mapping_path"], weights_only=True)
-    vocab = meaning_run["model"].config.vocab_size
-    counts = count_effective_feature_tokens(str(out / "train"), target_vocab_size=vocab)
-    d2t, t2d = process_token_dict_to_mappings(counts, DRAFT_VOCAB, vocab)
-    assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
-    assert d2t.shape == (DRAFT_VOCAB,) and t2d.shape == (vocab,)
+    from specforge.config.schema import load_config
+
+    out, vocab = tmp_path / "sf", meaning_run["model"].config.vocab_size
+    mappings = {}
+    for max_length in (None, 16):  # 16: shorter than every sample but one, so the counts differ
+        export_run(
+            meaning_run["root"] / "run",
+            "specforge",
+            out,
+            val_fraction=0.3,
+            draft_vocab_size=DRAFT_VOCAB,
+            max_length=max_length,
+        )
+        config = load_config(str(out / "specforge_config.yaml"))  # its own loader: eval needs an interval
+        assert config.data.eval_hidden_states_path == str(out / "eval") and config.training.eval_interval > 0
+        assert config.model.vocab_mapping_path == str(out / f"vocab_mapping-{DRAFT_VOCAB}.pt")
+        mapping = torch.load(config.model.vocab_mapping_path, weights_only=True)
+        counts = count_effective_feature_tokens(
+            config.data.hidden_states_path, max_length=config.data.max_length, target_vocab_size=vocab
+        )
+        d2t, t2d = process_token_dict_to_mappings(counts, DRAFT_VOCAB, vocab)
+        assert torch.equal(mapping["d2t"], d2t) and torch.equal(mapping["t2d"], t2d)
+        assert d2t.shape == (DRAFT_VOCAB,) and t2d.shape == (vocab,)
+        mappings[config.data.max_length] = mapping
+    assert sorted(mappings) == [16, 2048] and not torch.equal(mappings[16]["d2t"], mappings[2048]["d2t"])

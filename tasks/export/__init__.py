@@ -78,6 +78,7 @@ def export_run(
     target_model: Path | None = None,
     trust_remote_code: bool = False,
     score_policy: str | None = None,
+    max_length: int | None = None,
 ) -> dict[str, Any]:
     """Export every finished hidden-states part of `run_dir` to `out_dir`; returns the export's stats.
 
@@ -85,10 +86,14 @@ def export_run(
     directory recorded at extraction (read for the final norm, the vocabulary size); `draft_vocab_size` also
     writes the draft-vocabulary mapping with the trainer's own utility (which must then be installed).
     Samples outside the run's scoring bounds (`tasks.scoring.policy`) are kept, flagged in the manifest or
-    left out, by `score_policy` (default: the run's `scoring.sample_policy`).
+    left out, by `score_policy` (default: the run's `scoring.sample_policy`). `max_length` is SpecForge's
+    `data.max_length` (its draft vocabulary counts the first `max_length` tokens of each sample).
     """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"export format {fmt!r} not one of {list(EXPORT_FORMATS)}")
+    if max_length is not None and (fmt != "specforge" or max_length <= 0):
+        raise ExportError(f"max length {max_length} is SpecForge's data.max_length: a positive number, specforge only")
+    max_length = max_length or specforge.DEFAULT_MAX_LENGTH
     if draft_vocab_size is not None:
         (specforge if fmt == "specforge" else speculators).require_vocab_utility()
     started = time.monotonic()
@@ -116,7 +121,7 @@ def export_run(
     populated = [p for p in parts if p.rows]
     layers, hidden, dtype, num_layers = _one_layout(populated) if populated else ([], 0, "", 0)
     model_dir = _target_model(parts, target_model)
-    progress = ExportProgress(out_dir, fmt, run_dir)
+    progress = ExportProgress(out_dir, fmt, run_dir, speculators.LAYOUT if fmt == "speculators" else specforge.LAYOUT)
     progress.start()
     norm = None
     if fmt == "specforge" and populated:
@@ -127,7 +132,7 @@ def export_run(
             skipped += 1
             continue
         if fmt == "speculators":
-            written += speculators.write_part(out_dir, slot, len(slots))
+            written += speculators.write_part(out_dir, slot)
         elif slot.count:
             if norm is None:
                 raise ExportError("the target's final norm was not loaded")
@@ -136,18 +141,32 @@ def export_run(
     stale = (  # before the closing files: SpecForge's vocabulary count walks every file under train/
         specforge.remove_stale(out_dir, slots)
         if fmt == "specforge"
-        else speculators.remove_stale(out_dir, n_total, len(slots))
+        else speculators.remove_stale(out_dir, n_total, slots)
     )
-    vocab_files = _finish(fmt, out_dir, slots, model_dir, draft_vocab_size, trust_remote_code)
-    trainer = (
-        specforge.trainer_arguments(layers, n_val > 0, vocab_files[0] if vocab_files else None)
-        if fmt == "specforge"
-        else speculators.trainer_arguments(layers, num_layers, ratio)
+    config: Any = (  # a speculators export without a draft vocabulary reads nothing of the target
+        AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+        if fmt == "specforge" or draft_vocab_size is not None
+        else None
     )
+    vocab_files, stale_vocab = _finish(fmt, out_dir, slots, config, draft_vocab_size, max_length)
+    stale += stale_vocab
+    warnings: list[str] = []
+    trainer: dict[str, Any]
+    if fmt == "specforge":
+        head = specforge.head_source(model_dir, bool(config.get_text_config().tie_word_embeddings))
+        warnings += head.problems
+        trainer_config = specforge.trainer_config(
+            out_dir, model_dir, layers, n_val > 0, vocab_files[0] if vocab_files else None, max_length, head
+        )
+        specforge.write_trainer_config(out_dir, trainer_config, head.problems)
+        trainer = {"config_file": specforge.CONFIG_FILE, "config": trainer_config}
+    else:
+        trainer = speculators.trainer_arguments(layers, num_layers, ratio)
     manifest = progress.finish(
         slots,
         {
             "layouts": [{"layers": layers, "hidden_size": hidden, "dtype": dtype}] if populated else [],
+            "exported_dtype": dtype_name(specforge.TENSOR_DTYPE) if fmt == "specforge" else dtype,
             "final_state": FINAL_STATE if fmt == "speculators" else POST_NORM,
             "target_model": str(model_dir),
             "validation": {
@@ -160,6 +179,7 @@ def export_run(
             "vocab_files": vocab_files,
             "trainer": trainer,
             "scores": _scores_manifest(slots, reasons, unscored, counted, dropped, scfg),
+            "warnings": warnings,
         },
     )
     return {
@@ -175,6 +195,7 @@ def export_run(
         "out_of_bounds": sum(1 for p in parts for s in p.sample_ids if s in reasons) + dropped,
         "dropped_out_of_bounds": dropped,
         "wall_s": round(time.monotonic() - started, 3),
+        "warnings": warnings,
     }
 
 
@@ -209,18 +230,22 @@ def _finish(
     fmt: str,
     out_dir: Path,
     slots: list[PartSlot],
-    model_dir: Path,
+    config: Any,
     draft_vocab_size: int | None,
-    trust_remote_code: bool,
-) -> list[str]:
-    """The format's closing files; the draft-vocabulary files when a draft vocabulary size is asked for."""
-    freq = speculators.finish(out_dir, len(slots)) if fmt == "speculators" else None
+    max_length: int,
+) -> tuple[list[str], int]:
+    """The format's closing files; the draft-vocabulary files when a draft vocabulary size is asked for. Returns
+    their names and how many stale vocabulary files were removed."""
+    if fmt == "speculators":
+        freq, removed = speculators.finish(out_dir, slots)
+    else:
+        freq, removed = None, specforge.remove_vocab_mappings(out_dir, keep=draft_vocab_size)
     if draft_vocab_size is None:
-        return [speculators.TOKEN_FREQ_FILE] if fmt == "speculators" else []
-    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+        return ([speculators.TOKEN_FREQ_FILE] if fmt == "speculators" else []), removed
     vocab = int(config.get_text_config().vocab_size)
     if not 0 < draft_vocab_size <= vocab:
         raise ExportError(f"draft vocabulary size {draft_vocab_size} not in [1, {vocab}] (the target's vocabulary)")
     if freq is not None:
-        return [speculators.TOKEN_FREQ_FILE, *speculators.vocab_mapping_files(out_dir, freq, draft_vocab_size, vocab)]
-    return [specforge.vocab_mapping_file(out_dir, draft_vocab_size, vocab)]
+        files = speculators.vocab_mapping_files(out_dir, freq, draft_vocab_size, vocab)
+        return [speculators.TOKEN_FREQ_FILE, *files], removed
+    return [specforge.vocab_mapping_file(out_dir, draft_vocab_size, vocab, max_length)], removed

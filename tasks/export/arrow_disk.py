@@ -4,7 +4,8 @@
 same three kinds of file that `datasets` 4.x/5.x writes and `datasets.load_from_disk` reads (checked against
 datasets 5.1.0's output, and read back by it in tests/test_export_trainers.py):
 
-- `data-KKKKK-of-NNNNN.arrow`: Arrow IPC *stream* format, schema metadata `huggingface` = {"info": {"features"}};
+- data files (`save_to_disk` names them `data-KKKKK-of-NNNNN.arrow`; `load_from_disk` reads whatever names
+  `state.json` lists, in that order): Arrow IPC *stream* format, schema metadata `huggingface` = {"info": {"features"}};
 - `dataset_info.json`: citation, description, features, homepage, license;
 - `state.json`: the data file list, a fingerprint, and the output format (`torch`, as speculators' own
   preprocessing leaves it, so rows come back as tensors).
@@ -40,10 +41,6 @@ def feature_of(dtype: pa.DataType) -> dict[str, Any]:
 
 def features_of(schema: pa.Schema) -> dict[str, Any]:
     return {field.name: feature_of(field.type) for field in schema}
-
-
-def data_file_name(index: int, count: int) -> str:
-    return f"data-{index:05d}-of-{count:05d}.arrow"
 
 
 def write_data_file(path: Path, table: pa.Table) -> int:

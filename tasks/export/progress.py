@@ -32,7 +32,6 @@ class PartSlot:
     `validation[n]` whether that row is held out."""
 
     part: SourcePart
-    position: int
     indices: list[int]
     validation: list[bool]
 
@@ -40,11 +39,12 @@ class PartSlot:
     def count(self) -> int:
         return len(self.part.rows)
 
-    def marker_content(self, fmt: str) -> dict[str, Any]:
+    def marker_content(self, fmt: str, layout: str | None = None) -> dict[str, Any]:
         ref = self.part.ref
         inputs = {stage: fingerprint(ref.with_stage(stage)) for stage in (ref.stage, "tokens")}
         return {
             "format": fmt,
+            **({"layout": layout} if layout else {}),
             "indices": self.indices,
             "sample_ids": self.part.sample_ids,
             "validation": self.validation,
@@ -57,21 +57,23 @@ def assign_slots(parts: list[SourcePart], held_out: Callable[[str], bool]) -> li
     flags = [[held_out(sid) for sid in part.sample_ids] for part in parts]
     next_index = [0, sum(not f for fs in flags for f in fs)]
     slots = []
-    for position, (part, part_flags) in enumerate(zip(parts, flags, strict=True)):
+    for part, part_flags in zip(parts, flags, strict=True):
         indices = []
         for flag in part_flags:
             indices.append(next_index[flag])
             next_index[flag] += 1
-        slots.append(PartSlot(part, position, indices, part_flags))
+        slots.append(PartSlot(part, indices, part_flags))
     return slots
 
 
 class ExportProgress:
     """Markers under `<out>/_eagle3_export/`; refuses an output directory some other tool wrote."""
 
-    def __init__(self, out_dir: Path, fmt: str, run_dir: Path) -> None:
+    def __init__(self, out_dir: Path, fmt: str, run_dir: Path, layout: str | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.fmt = fmt
+        self.layout = layout
+        """the format's file naming, when it has had more than one (a part marked under another is rewritten)"""
         self.run_dir = Path(run_dir).resolve()
         self.dir = self.out_dir / PROGRESS_DIR
         manifest = self.out_dir / MANIFEST
@@ -91,10 +93,10 @@ class ExportProgress:
 
     def is_done(self, slot: PartSlot) -> bool:
         marker = self._marker(slot)
-        return marker.exists() and json.loads(marker.read_text()) == slot.marker_content(self.fmt)
+        return marker.exists() and json.loads(marker.read_text()) == slot.marker_content(self.fmt, self.layout)
 
     def mark_done(self, slot: PartSlot) -> None:
-        atomic_write_text(self._marker(slot), json.dumps(slot.marker_content(self.fmt)))
+        atomic_write_text(self._marker(slot), json.dumps(slot.marker_content(self.fmt, self.layout)))
 
     def start(self) -> None:
         """A run of the export is starting: the old manifest no longer describes the directory."""

@@ -15,10 +15,13 @@ loads row i's states from `hidden_states/hs_{i}.safetensors` holding
 Rows are in export index order: training samples first, then the held-out prompts, so the manifest's
 `train_data_ratio` makes speculators' own split the prompt split. The dataset folder is written with pyarrow
 (`arrow_disk.py`): per source part one file of its training rows and, after all of those, one file of its
-held-out rows. `token_freq.pt` is what `speculators.train.vocab_mapping.save_token_frequency_distribution`
-writes (a dict token id -> count of loss-masked occurrences) over the training rows; speculators' trainer finds
-it in the data path and builds its draft vocabulary (`d2t`, `t2d`) from it for `--draft-vocab-size N`, and the
-export can write those files itself with speculators' own utility (`vocab_mapping_files`).
+held-out rows, named by the part's number (`state.json` lists them in index order; `datasets` reads the names it
+lists), so a part a rerun leaves alone keeps its files when other parts arrive, where `save_to_disk`'s
+`data-K-of-N` names would all change with N. `token_freq.pt` is what
+`speculators.train.vocab_mapping.save_token_frequency_distribution` writes (a dict token id -> count of
+loss-masked occurrences) over the training rows; speculators' trainer finds it in the data path and builds its
+draft vocabulary (`d2t`, `t2d`) from it for `--draft-vocab-size N`, and the export can write those files itself
+with speculators' own utility (`vocab_mapping_files`).
 """
 
 from __future__ import annotations
@@ -34,13 +37,17 @@ import torch
 from safetensors.torch import save
 
 from tasks.common.shards import atomic_write_bytes
-from tasks.export.arrow_disk import data_file_name, write_data_file, write_dataset_metadata
+from tasks.export.arrow_disk import write_data_file, write_dataset_metadata
 from tasks.export.errors import ExportError
 from tasks.export.progress import PartSlot
 from tasks.export.source import ExportSample, iter_samples
 
 HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ_FILE = "token_freq.pt"
+LAYOUT = "rows-per-part-v2"
+"""Recorded in each part's export marker: a marker of the earlier `data-K-of-N` naming no longer matches, so
+such a part is written again under its own names."""
+VOCAB_FILE_GLOBS = ("d2t-*.npy", "t2d-*.npy")
 ROW_SCHEMA = pa.schema(
     [
         pa.field("input_ids", pa.list_(pa.int64())),
@@ -54,9 +61,16 @@ def states_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / HIDDEN_STATES_DIR / f"hs_{index}.safetensors"
 
 
-def data_files(n_parts: int) -> list[str]:
-    """Training-row files of parts 0..n-1, then held-out-row files of parts 0..n-1: the rows' index order."""
-    return [data_file_name(k, 2 * n_parts) for k in range(2 * n_parts)]
+def part_data_files(part: int) -> tuple[str, str]:
+    """(training rows, held-out rows) of one source part."""
+    return f"data-{part:05d}-train.arrow", f"data-{part:05d}-heldout.arrow"
+
+
+def data_files(slots: list[PartSlot]) -> list[str]:
+    """Every part's training-row file, then every part's held-out-row file, in part order: the rows' index
+    order (training indices come first, numbered part by part, then held-out ones likewise)."""
+    names = [part_data_files(s.part.ref.part) for s in slots]
+    return [train for train, _ in names] + [held for _, held in names]
 
 
 def stacked_states(sample: ExportSample) -> torch.Tensor:
@@ -66,7 +80,7 @@ def stacked_states(sample: ExportSample) -> torch.Tensor:
     return torch.cat([aux, sample.final.unsqueeze(1)], dim=1).contiguous()
 
 
-def write_part(out_dir: Path, slot: PartSlot, n_parts: int) -> int:
+def write_part(out_dir: Path, slot: PartSlot) -> int:
     written = 0
     rows: dict[bool, list[tuple[int, list[int], list[int]]]] = {False: [], True: []}
     for n, sample in enumerate(iter_samples(slot.part)):
@@ -75,8 +89,7 @@ def write_part(out_dir: Path, slot: PartSlot, n_parts: int) -> int:
         atomic_write_bytes(states_path(out_dir, index), data)
         written += len(data)
         rows[slot.validation[n]].append((index, sample.input_ids.tolist(), sample.loss_mask.tolist()))
-    names = data_files(n_parts)
-    for held_out, offset in ((False, 0), (True, n_parts)):
+    for held_out, name in zip((False, True), part_data_files(slot.part.ref.part), strict=True):
         ordered = sorted(rows[held_out])
         table = pa.table(
             {
@@ -86,14 +99,14 @@ def write_part(out_dir: Path, slot: PartSlot, n_parts: int) -> int:
             },
             schema=ROW_SCHEMA,
         )
-        written += write_data_file(Path(out_dir) / names[offset + slot.position], table)
+        written += write_data_file(Path(out_dir) / name, table)
     return written
 
 
-def token_frequencies(out_dir: Path, n_parts: int) -> dict[int, int]:
+def token_frequencies(out_dir: Path, slots: list[PartSlot]) -> dict[int, int]:
     """Loss-masked token counts over the training rows, as `save_token_frequency_distribution` counts them."""
     counts: Counter[int] = Counter()
-    for name in data_files(n_parts)[:n_parts]:
+    for name in data_files(slots)[: len(slots)]:
         with pa.memory_map(str(Path(out_dir) / name)) as source:
             table = pa.ipc.open_stream(source).read_all()
         for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(), strict=True):
@@ -101,12 +114,26 @@ def token_frequencies(out_dir: Path, n_parts: int) -> dict[int, int]:
     return dict(counts)
 
 
-def finish(out_dir: Path, n_parts: int) -> dict[int, int]:
-    """`dataset_info.json`, `state.json` and `token_freq.pt`, after every part's files are in place."""
-    write_dataset_metadata(Path(out_dir), ROW_SCHEMA, data_files(n_parts), "torch")
-    freq = token_frequencies(out_dir, n_parts)
-    atomic_write_bytes(Path(out_dir) / TOKEN_FREQ_FILE, _saved(freq))
-    return freq
+def finish(out_dir: Path, slots: list[PartSlot]) -> tuple[dict[int, int], int]:
+    """`dataset_info.json`, `state.json` and `token_freq.pt`, after every part's files are in place; returns the
+    frequencies and how many draft-vocabulary files of other frequencies were removed.
+
+    speculators' trainer prefers `d2t-N.npy` / `t2d-N.npy` in its data path to `token_freq.pt`, and writes them
+    there itself on its first run: when the frequencies change, any such file (from an earlier export's
+    `--draft-vocab-size` or from the trainer) describes rows that are gone and is removed first.
+    """
+    out_dir = Path(out_dir)
+    write_dataset_metadata(out_dir, ROW_SCHEMA, data_files(slots), "torch")
+    freq = token_frequencies(out_dir, slots)
+    path = out_dir / TOKEN_FREQ_FILE
+    removed = 0
+    if not path.is_file() or torch.load(path, weights_only=True) != freq:
+        for pattern in VOCAB_FILE_GLOBS:
+            for stale in out_dir.glob(pattern):
+                stale.unlink()
+                removed += 1
+        atomic_write_bytes(path, _saved(freq))
+    return freq, removed
 
 
 def _saved(obj: object) -> bytes:
@@ -148,16 +175,16 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def remove_stale(out_dir: Path, total: int, n_parts: int) -> int:
-    """Delete states and data files a previous export with more samples or parts left behind."""
+def remove_stale(out_dir: Path, total: int, slots: list[PartSlot]) -> int:
+    """Delete states and data files a previous export with more samples or other parts left behind."""
     removed = 0
     for path in (Path(out_dir) / HIDDEN_STATES_DIR).glob("hs_*.safetensors"):
         index = path.name[len("hs_") : -len(".safetensors")]
         if not index.isdigit() or int(index) >= total:
             path.unlink()
             removed += 1
-    expected = set(data_files(n_parts))
-    for path in Path(out_dir).glob("data-*-of-*.arrow"):
+    expected = set(data_files(slots))
+    for path in Path(out_dir).glob("data-*.arrow"):
         if path.name not in expected:
             path.unlink()
             removed += 1

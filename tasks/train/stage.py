@@ -15,8 +15,9 @@
    `Eagle3DraftModel.from_pretrained`.
 
 Resumable: speculators' checkpointer resumes from `<out>/checkpoints/<epoch>` (mid-epoch too); a finished
-summary whose options match is returned as is. A change of an option that defines the drafter's shape or
-its data split (`RESTART_FIELDS`) starts over instead of resuming another model's checkpoints.
+summary whose options and data match is returned as is. A change of an option that defines the drafter's shape or
+its data split (`RESTART_FIELDS`) starts over instead of resuming another model's checkpoints, and so does a change
+of the run's hidden states (a rerun that added or rebuilt parts: `data_parts`), whose export updates itself.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 from unittest import mock
 
 from tasks.common.errors import ConfigError
-from tasks.common.shards import atomic_write_text, done_parts, read_provenance
+from tasks.common.shards import atomic_write_text, done_parts, fingerprint, part_name, read_provenance
 from tasks.train.cpu_shim import accelerator_available, cpu_train_dtype, cpu_trainer
 
 SPECULATORS_VERSION = "0.9.0"
@@ -42,6 +43,7 @@ SUMMARY_NAME = "train_summary.json"
 EXPORT_DIR = "export"
 CHECKPOINT_DIR = "checkpoints"
 OPTIONS_NAME = "train_options.json"
+DATA_KEY = "data_parts"
 RESTART_FIELDS = ("draft_vocab_size", "num_layers", "val_fraction", "seed", "verifier_path")
 """Options whose change makes the existing export or checkpoints another model's (`discard_incompatible`)."""
 
@@ -92,6 +94,12 @@ def hidden_states_provenance(run_dir: Path) -> dict[str, Any]:
     if not refs:
         raise TrainError(f"{run_dir} has no finished hidden_states parts: run extract first")
     return read_provenance(refs[0].path)
+
+
+def data_parts(run_dir: Path) -> dict[str, str | None]:
+    """The run's finished hidden-states parts and their fingerprints (which cover the tokens they were built
+    from): checkpoints trained on other ones belong to another dataset."""
+    return {part_name(ref.part): fingerprint(ref) for ref in done_parts(Path(run_dir), "hidden_states")}
 
 
 def speculators_layer_ids(extract_layers: list[int]) -> list[int]:
@@ -256,16 +264,17 @@ def epochs_for_steps(export_dir: Path, o: TrainOptions, train_data_ratio: float)
     return epochs
 
 
-def discard_incompatible(out: Path, opts: TrainOptions) -> list[str]:
+def discard_incompatible(out: Path, opts: TrainOptions, data: dict[str, str | None]) -> list[str]:
     """The fields of `RESTART_FIELDS` that differ from what `out` was trained with; when any does, its export,
     checkpoints and summary are removed first. speculators' checkpointer would otherwise resume a drafter of
     another shape (a different draft vocabulary) or one trained on another split, and the export would keep the
-    old split; changing the epochs, steps or learning rate still resumes."""
+    old split; changing the epochs, steps or learning rate still resumes. When only the run's data changed
+    (`data_parts`, or not recorded), the checkpoints and summary go and the export stays: it updates itself."""
     recorded: dict[str, Any] | None = None
     for path in (out / OPTIONS_NAME, out / SUMMARY_NAME):
         if path.is_file():
-            data = json.loads(path.read_text())
-            recorded = data.get("options", data) if path.name == SUMMARY_NAME else data
+            saved = json.loads(path.read_text())
+            recorded = saved.get("options", saved) | {DATA_KEY: saved.get(DATA_KEY)}
             break
     if recorded is None:
         return []
@@ -278,7 +287,32 @@ def discard_incompatible(out: Path, opts: TrainOptions) -> list[str]:
         for name in (EXPORT_DIR, CHECKPOINT_DIR):
             shutil.rmtree(out / name, ignore_errors=True)
         (out / SUMMARY_NAME).unlink(missing_ok=True)
+    elif recorded.get(DATA_KEY) != data:
+        logging.getLogger(__name__).warning(
+            "the run's hidden states changed since %s was trained (%d parts now): training starts over on all of "
+            "them (checkpoints removed; the export updates itself)",
+            out,
+            len(data),
+        )
+        shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+        (out / SUMMARY_NAME).unlink(missing_ok=True)
+        changed = [DATA_KEY]
     return changed
+
+
+def finished_summary(out: Path, opts: TrainOptions, data: dict[str, str | None]) -> dict[str, Any] | None:
+    """The summary of a drafter already trained with these options on this data (`resumed: finished`), if any."""
+    path = out / SUMMARY_NAME
+    if not path.is_file():
+        return None
+    previous: dict[str, Any] = json.loads(path.read_text())
+    if (
+        previous.get("options") != _jsonable(asdict(opts))
+        or previous.get(DATA_KEY) != data
+        or not Path(previous["checkpoint"]).is_dir()
+    ):
+        return None
+    return previous | {"resumed": "finished"}
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, Any]:
@@ -293,13 +327,12 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
     out = Path(out_dir or run_dir / "train").resolve()
     opts = (options or TrainOptions()).for_device()
     summary_path = out / SUMMARY_NAME
-    if summary_path.is_file():
-        previous: dict[str, Any] = json.loads(summary_path.read_text())
-        if previous.get("options") == _jsonable(asdict(opts)) and Path(previous["checkpoint"]).is_dir():
-            previous["resumed"] = "finished"
-            return previous
-    restarted = discard_incompatible(out, opts)
-    atomic_write_text(out / OPTIONS_NAME, json.dumps(_jsonable(asdict(opts)), indent=2))
+    data = data_parts(run_dir)
+    previous = finished_summary(out, opts, data)
+    if previous is not None:
+        return previous
+    restarted = discard_incompatible(out, opts, data)
+    atomic_write_text(out / OPTIONS_NAME, json.dumps(_jsonable(asdict(opts)) | {DATA_KEY: data}, indent=2))
     started = time.monotonic()
     verifier, _ = resolve_verifier(run_dir, opts)
     export_stats = export_run(
@@ -334,6 +367,7 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
         "speculators_version": _speculators_version(),
         "device": "accelerator" if accelerator_available() else "cpu",
         "options": _jsonable(asdict(opts)),
+        DATA_KEY: data,
         "export": {k: export_stats[k] for k in ("samples", "validation_samples", "parts", "bytes_written", "wall_s")},
         "resumed_from_checkpoints": resumed_from,
         "discarded_for_changed_options": restarted,
