@@ -48,7 +48,7 @@ from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
-from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.stage import reconstruct_part, repair_table
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 from tasks.scoring import check_parity_gate, provider_rows, publish_score_report
 from tasks.status.plan import (
@@ -106,11 +106,13 @@ def estimate_task(cfg: PipelineConfig) -> dict[str, Any]:
 
 @task(name="check-tokenizer", **TASK_OPTIONS)
 def check_tokenizer_task(cfg: PipelineConfig) -> str:
-    """Fail before any request is sent if the format's special tokens do not map to their own single ids."""
+    """Fail before any request is sent if the format's special tokens do not map to their own single ids, or
+    `reconstruct.repair_from` teaches no rule source."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     fmt = _format(cfg)
     rows = verify_special_tokens(tokenizer, fmt)
     get_run_logger().info("completion format %s\n%s", fmt.name, format_table(rows))
+    repair_table(cfg, fmt)  # a repair_from that teaches nothing stops the run before answers are bought
     return fmt.name
 
 

@@ -267,10 +267,9 @@ def test_speculators_vocabulary_files_match_its_own_utilities(meaning_run: dict[
 def test_specforge_vocabulary_mapping_is_its_own(meaning_run: dict[str, Any], tmp_path: Path) -> None:
     """`vocab_mapping-N.pt` equals what SpecForge's offline trainer derives from the training files itself."""
     pytest.importorskip("specforge")
+    from specforge.config.schema import load_config
     from specforge.data.preprocessing import process_token_dict_to_mappings
     from specforge.training.vocab_mapping import count_effective_feature_tokens
-
-    from specforge.config.schema import load_config
 
     out, vocab = tmp_path / "sf", meaning_run["model"].config.vocab_size
     mappings = {}

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from endpoint_sim.responder import REASONING_CLOSE, FailureRule, Responder, SimConfig, SimSample
@@ -343,7 +343,7 @@ def test_fatal_mid_run_commits_finished_samples_and_resume_sends_only_the_rest(
 def test_request_building_for_both_kinds(
     tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    sampling = SamplingConfig(temperature=0.3, top_p=0.9, max_tokens=77, seed=5, stop=["STOP"])
+    sampling = SamplingConfig(temperature=0.3, top_p=0.9, max_tokens=77, seed=5)
     cfg = make_cfg(
         tmp_path,
         sim,
@@ -363,7 +363,6 @@ def test_request_building_for_both_kinds(
         "top_p": 0.9,
         "max_tokens": 77,
         "seed": 5,
-        "stop": ["STOP"],
         "provider": {"order": ["A"]},
         "reasoning": {"effort": "high"},
         "usage": {"include": True},
@@ -378,10 +377,17 @@ def test_request_building_for_both_kinds(
         "temperature": 0.3,
         "top_p": 0.9,
         "max_new_tokens": 77,
-        "stop": ["STOP"],
         "sampling_seed": 5,
         "skip_special_tokens": False,
     }
+
+
+def test_stop_strings_are_refused() -> None:
+    """An answer a stop string ended would be stored with an end-of-turn the model never emitted (an independent
+    probe: `code is :` + `<|im_end|>` where SmolLM2 went on with a newline and a code fence)."""
+    with pytest.raises(ValidationError, match="end-of-turn the model never emitted"):
+        SamplingConfig(stop=["\n"])
+    assert SamplingConfig(stop=[]).stop == [] and SamplingConfig().stop is None
 
 
 def test_completion_split_and_retry_helpers() -> None:

@@ -437,6 +437,26 @@ def test_generate_checks_special_tokens_before_the_first_paid_request(
     assert sent == 0 and sim.billing()["total_usd"] == 0.0
 
 
+def test_generate_checks_the_repair_source_before_the_first_paid_request(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped `reconstruct.repair_from` was found after answers were bought (an independent probe: 3 answers
+    paid, then exit 2 with "no done response there carries the model's ids")."""
+    from tests.conftest import run_main
+
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 8, "tokens")
+    with SimulatorServer(tokenizer_dir, SimConfig()) as sim:
+        config = write_config(tmp_path, sim, tokenizer_dir, data)
+        done = run_main(
+            capsys, "generate", str(config), "--no-progress", "--set", "reconstruct.repair_from=/no/such/run"
+        )
+        sent = sim.stats(with_keys=False)["total_requests"]
+    assert done.returncode == ExitCode.USER, done.stdout + done.stderr
+    assert "repair_from /no/such/run holds no responses stage" in done.stderr and "Traceback" not in done.stderr
+    assert sent == 0 and sim.billing()["total_usd"] == 0.0
+
+
 @pytest.mark.parametrize("settle", [False, True])
 def test_a_stream_cut_after_its_id_is_pending_at_worst_case_until_settled(
     settle: bool, tmp_path: Path, tokenizer_dir: Path

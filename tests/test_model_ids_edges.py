@@ -83,6 +83,7 @@ def test_a_reencoded_answer_cut_inside_a_character_ends_before_its_last_word(
         SampleText("cut", "d", USER, None, "It is Z\ufffd", "length", None),
         SampleText("model", "d", USER, None, "It is Z\ufffd", "length", None, output_ids=emitted),
         SampleText("broken", "d", USER, None, "It is Z\ufffd!", "stop", None),
+        SampleText("cjk", "d", USER, None, "\u4f60\u597d\u4e16\ufffd", "length", None),
     ]
     tokens, stats = build_tokens_table(tokenizer, fmt, samples, ReconstructConfig(), kwargs)
     completions = {r["sample_id"]: r["input_ids"][r["prompt_len"] :] for r in tokens.to_pylist()}
@@ -104,6 +105,9 @@ def test_a_reencoded_answer_cut_inside_a_character_ends_before_its_last_word(
     assert checks["cut"]["structural_issues"] == ["cut_inside_character:5 of 8 characters kept"]
     assert "replacement_character" in checks["broken"]["structural_issues"]
     assert checks["broken"]["verdict"] == "fail"
+    # A CJK answer has no space to end before: nothing is left to train on, and it is dropped, not kept empty.
+    assert completions["cjk"] == []
+    assert checks["cjk"]["verdict"] == "drop" and "nothing_kept_after_cut" in checks["cjk"]["structural_issues"]
 
 
 @pytest.mark.parametrize("stop_entry", [(EOS, EOS.encode()), ("", b""), (EOS, b"")])

@@ -151,3 +151,19 @@ def test_samples_per_prompt_adds_samples_and_never_renames_the_first(tmp_path: P
     assert len(by_prompt) == 6 and all(sorted(v) == [0, 1, 2] for v in by_prompt.values())
     assert set(one["sample_id"].to_pylist()) <= set(table["sample_id"].to_pylist())
     assert prepare_datasets(three).reused
+
+
+def test_a_line_that_is_not_utf8_is_quarantined_not_replaced(tmp_path: Path) -> None:
+    """A Latin-1 "é" was read as U+FFFD and sent: the prompt held text nobody wrote. A UTF-8 byte-order mark on the
+    first line is not a bad row."""
+    path = tmp_path / "mixed.jsonl"
+    good = json.dumps(GOOD[0]).encode()
+    latin1 = b'{"messages": [{"role": "user", "content": "caf\xe9 au lait?"}]}'
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + latin1 + b"\n" + json.dumps(GOOD[1]).encode() + b"\n")
+    result = prepare_datasets(make_cfg(tmp_path, [{"name": "U", "path": path}]))
+    counts = result.datasets["U"]
+    assert (counts.rows_read, counts.kept, counts.quarantined) == (3, 2, 1)
+    [record] = [json.loads(line) for line in result.quarantine_path.read_text().splitlines()]
+    assert record["source_row"] == 1 and record["reason"] == "not UTF-8: byte 0xe9 at byte 47"
+    table = pa.concat_tables([read_part(r) for r in done_parts(tmp_path / "run", "prompts")])
+    assert "\ufffd" not in json.dumps(table.to_pylist(), ensure_ascii=False)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from transformers import PreTrainedTokenizerBase
 
+from tasks.common.errors import ConfigError
 from tasks.common.messages import Message
 from tasks.common.shards import PartRef, read_part
 from tasks.reconstruct.completion_format import PRESETS
@@ -54,17 +56,61 @@ def test_rules_follow_what_the_model_mostly_did(tokenizer: PreTrainedTokenizerBa
     assert tokenizer.decode(fixed) == tokenizer.decode(fresh)
 
 
-def test_repair_from_a_reference_run(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-    """The reference run's /generate ids teach the split; the text-only run's rows get it (token_source
-    "repaired"), the rest stay re-encoded, and the rules are part of the tokens recipe."""
+def write_reference(tokenizer: PreTrainedTokenizerBase, reference_dir: Path, finish_reason: str = "stop") -> None:
     answers = [f"Walk NORTH for {i} miles." for i in range(4)]
-    reference_dir, text_dir = tmp_path / "reference", tmp_path / "text"
     convs = [[Message(role="user", content=f"Where to, question {i}?")] for i in range(4)]
     rows = []
     for conv, answer in zip(convs, answers, strict=True):
         model_ids = split_north(tokenizer, encode(tokenizer, f"{REASONING}</think>{answer}{EOS}"))
-        rows.append(response_row(sid_of(conv), REASONING, answer, output_ids=model_ids))
+        rows.append(response_row(sid_of(conv), REASONING, answer, output_ids=model_ids, finish_reason=finish_reason))
     write_inputs(reference_dir, 0, convs, rows)
+
+
+def test_a_repair_that_moves_the_length_away_from_the_bill_is_refused(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The same answer three times, billed at the repaired length, at the re-encoded length (the model kept the
+    merge there: an independent probe found a rule rewriting rows that were already exact), and not billed."""
+    write_reference(tokenizer, tmp_path / "reference")
+    answer = "Then NORTH again."
+    reencoded = encode(tokenizer, f"{REASONING}</think>{answer}{EOS}")
+    repaired = split_north(tokenizer, reencoded)
+    assert len(repaired) == len(reencoded) + 2
+    convs = [[Message(role="user", content=f"Other question {i}?")] for i in range(3)]
+    bills = [len(repaired), len(reencoded), None]
+    rows = [
+        response_row(sid_of(c), REASONING, answer, completion_tokens=bill) for c, bill in zip(convs, bills, strict=True)
+    ]
+    write_inputs(tmp_path / "text", 0, convs, rows)
+    stats = reconstruct_part(make_cfg(tmp_path / "text", tokenizer_dir, repair_from=tmp_path / "reference"), 0, DEMO)
+    out = {r["sample_id"]: r for r in read_part(PartRef(tmp_path / "text", "tokens", 0)).to_pylist()}
+    billed_repaired, billed_kept, unbilled = (out[sid_of(c)] for c in convs)
+    assert [billed_repaired["token_source"], billed_kept["token_source"], unbilled["token_source"]] == [
+        "repaired",
+        "reencoded",
+        "repaired",
+    ]
+    assert billed_kept["input_ids"][billed_kept["prompt_len"] :] == reencoded
+    assert stats["repairs_refused_by_bill"] == 1 and stats["repaired_rows"] == 2
+
+
+def test_answers_cut_by_max_tokens_teach_no_rule(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """A cut answer's last split depends on text the model had not written yet (a probe's `ĊĊ` -> `Ċ Ċ` rule came
+    from two answers cut right after a paragraph break)."""
+    write_reference(tokenizer, tmp_path / "reference", finish_reason="length")
+    convs = [[Message(role="user", content="Other question?")]]
+    write_inputs(tmp_path / "text", 0, convs, [response_row(sid_of(convs[0]), REASONING, "Then NORTH again.")])
+    with pytest.raises(ConfigError, match="no finished response there carries the model's ids"):
+        reconstruct_part(make_cfg(tmp_path / "text", tokenizer_dir, repair_from=tmp_path / "reference"), 0, DEMO)
+
+
+def test_repair_from_a_reference_run(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The reference run's /generate ids teach the split; the text-only run's rows get it (token_source
+    "repaired"), the rest stay re-encoded, and the rules are part of the tokens recipe."""
+    reference_dir, text_dir = tmp_path / "reference", tmp_path / "text"
+    write_reference(tokenizer, reference_dir)
     reconstruct_part(make_cfg(reference_dir, tokenizer_dir), 0, DEMO)
 
     text_convs = [[Message(role="user", content=f"Other question {i}?")] for i in range(2)]

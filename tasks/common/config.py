@@ -53,7 +53,12 @@ class SamplingConfig(StrictModel):
     seed: int | None = Field(
         default=None, description="Sent as the request seed; sample k of a prompt is sent seed + k."
     )
-    stop: list[str] | None = None
+    stop: list[str] | None = Field(
+        default=None,
+        description="Refused when not empty: an answer ended by a stop string is cut where the target did not end "
+        "its turn, and an OpenAI-compatible answer does not say which ended it, so it would be stored with an "
+        "end-of-turn the model never emitted.",
+    )
     samples_per_prompt: int = Field(
         default=1, ge=1, le=256, description="Responses per prompt; each is its own sample_id (k=0 keeps the id)."
     )
@@ -62,6 +67,17 @@ class SamplingConfig(StrictModel):
         description="final_turn: answer the conversation's last user turn; every_turn: answer each user turn in "
         "order, with the target's own earlier answers as history.",
     )
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop_strings(cls, v: list[str] | None) -> list[str] | None:
+        if v:
+            raise ValueError(
+                "stop strings cut answers where the target did not end its turn, and the answer does not say "
+                "whether a stop string or the end of turn ended it: each would be stored with an end-of-turn the "
+                "model never emitted; remove sampling.stop (the model's own end of turn ends every answer)"
+            )
+        return v
 
 
 class EndpointConfig(StrictModel):

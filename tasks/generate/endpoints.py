@@ -116,8 +116,6 @@ def build_request(
             payload["stream_options"] = {"include_usage": True}
         if seed is not None:
             payload["seed"] = seed
-        if sampling.stop:
-            payload["stop"] = list(sampling.stop)
         if cfg.endpoint.provider_routing:
             payload["provider"] = cfg.endpoint.provider_routing
         if cfg.endpoint.reasoning:
@@ -137,8 +135,6 @@ def build_request(
         "max_new_tokens": sampling.max_tokens,
         "skip_special_tokens": False,
     }
-    if sampling.stop:
-        params["stop"] = list(sampling.stop)
     if seed is not None:
         params["sampling_seed"] = seed
     return EndpointRequest(url, {"input_ids": prompt_ids, "sampling_params": params}, prompt_ids)

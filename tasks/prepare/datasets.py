@@ -81,8 +81,20 @@ def _raw_rows(ds: DatasetConfig) -> Iterator[tuple[int, Any, str | None]]:
     if not ds.path.is_file():
         raise ConfigError(f"dataset {ds.name}: {ds.path} does not exist")
     if _file_format(ds) == "jsonl":
-        with ds.path.open("r", encoding="utf-8", errors="replace") as fh:
-            for i, line in enumerate(fh):
+        with ds.path.open("rb") as fh:
+            for i, raw in enumerate(fh):
+                if i == 0:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:  # replaced, it would send and store text nobody wrote
+                    bad = raw[exc.start : exc.start + 1].hex()
+                    yield (
+                        i,
+                        raw.decode("utf-8", errors="replace")[:500],
+                        f"not UTF-8: byte 0x{bad} at byte {exc.start + 1}",
+                    )
+                    continue
                 if not line.strip():
                     continue
                 try:

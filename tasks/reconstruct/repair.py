@@ -7,7 +7,11 @@ Reference answers (rows whose ids the endpoint reported) show each such place tw
 the model's ids for the same text. `RepairTable.learn` aligns the two (difflib over ids), keeps every minimal
 replacement whose two sides decode to the same text, and counts, for each re-encoded id sequence, how often the
 model replaced it and how often it kept it as is. A rule is kept when the model replaced it in most of the places
-the re-encoding produced it (`min_share`) and at least `min_count` times. `apply` rewrites a re-encoded sequence
+the re-encoding produced it (`min_share`, two in three: a split the model chooses by context, such as `Ċ Ċ`
+before a code fence and `ĊĊ` before prose at 13 to 9, is a coin toss that an independent probe found wrong in all
+7 places it fired) and at least `min_count` times. Answers cut by `max_tokens` teach nothing: their last word's
+split depends on text the model had not written yet. Where a row's bill counts its tokens, a repair that moves
+the length away from that count is refused (`stage.no_further_from_bill`). `apply` rewrites a re-encoded sequence
 left to right with the longest matching rule. Byte-level decoding concatenates token bytes, so a rule never
 changes the text; `apply` checks that anyway. Decoding is lossy only for part of a character (any partial bytes
 decode to the same U+FFFD): a replacement whose text holds U+FFFD may change the bytes, so it never becomes a
@@ -32,9 +36,11 @@ if TYPE_CHECKING:
     from tasks.common.shards import PartRef
     from tasks.reconstruct.completion_format import CompletionFormat
 
-MIN_SHARE = 0.5
+MIN_SHARE = 2 / 3
 MIN_COUNT = 2
 MAX_RULE_TOKENS = 4
+APPLY_VERSION = 2
+"""2: a repair that moves a row's length away from its billed count is refused."""
 
 
 @dataclass
@@ -110,8 +116,9 @@ class RepairTable:
         return out, applied
 
     def digest(self) -> str:
-        """Identifies the rules (recorded in the tokens recipe: new rules rebuild the repaired parts)."""
-        body = json.dumps(sorted((list(k), list(v)) for k, v in self.rules.items()))
+        """Identifies the rules and how they are applied (recorded in the tokens recipe: new rules, or a change
+        in applying them, rebuild the repaired parts and no others)."""
+        body = json.dumps([APPLY_VERSION, sorted((list(k), list(v)) for k, v in self.rules.items())])
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def describe(self, backend: TokenBackend, limit: int = 10) -> list[dict[str, object]]:
@@ -145,8 +152,8 @@ _LEARNED: dict[tuple[str, str, str], RepairTable] = {}
 def reference_pairs(
     refs: Iterable[PartRef], backend: TokenBackend, fmt: CompletionFormat
 ) -> list[tuple[list[int], list[int]]]:
-    """(re-encoded ids, model ids) of every done final-turn response in these responses parts that carries the
-    model's ids spelling its text."""
+    """(re-encoded ids, model ids) of every done, finished (not cut by `max_tokens`) final-turn response in these
+    responses parts that carries the model's ids spelling its text."""
     from tasks.common.shards import read_part
     from tasks.reconstruct.completion_format import completion_layout
     from tasks.reconstruct.model_ids import model_completion
@@ -157,6 +164,8 @@ def reference_pairs(
     for ref in refs:
         for row in read_part(ref, columns=columns).to_pylist():
             if row["status"] != "done" or row["output_ids"] is None or row["history"] is not None or eot is None:
+                continue
+            if row["finish_reason"] == "length":
                 continue
             try:
                 layout = completion_layout(fmt, row["reasoning"], row["content"], row["finish_reason"] == "length")
@@ -174,6 +183,8 @@ def learn_from_run(run_dir: Path, backend: TokenBackend, fmt: CompletionFormat, 
     from tasks.common.errors import ConfigError
     from tasks.common.shards import done_parts, read_marker
 
+    if not (Path(run_dir) / "responses").is_dir():
+        raise ConfigError(f"reconstruct.repair_from {run_dir} holds no responses stage: name a run directory")
     refs = done_parts(Path(run_dir), "responses")
     state = hashlib.sha256(json.dumps([read_marker(r) for r in refs], sort_keys=True, default=str).encode())
     key = (str(Path(run_dir).resolve()), tokenizer_digest, state.hexdigest() + json.dumps(fmt.describe()))
@@ -182,6 +193,6 @@ def learn_from_run(run_dir: Path, backend: TokenBackend, fmt: CompletionFormat, 
         return cached
     pairs = reference_pairs(refs, backend, fmt)
     if not pairs:
-        raise ConfigError(f"reconstruct.repair_from {run_dir}: no done response there carries the model's ids")
+        raise ConfigError(f"reconstruct.repair_from {run_dir}: no finished response there carries the model's ids")
     table = _LEARNED[key] = RepairTable.learn(backend, pairs)
     return table

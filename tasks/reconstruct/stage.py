@@ -56,6 +56,7 @@ RESPONSE_COLUMNS = [
     "prompt_ids",
     "history",
     "output_ids",
+    "completion_tokens",
 ]
 TOKEN_STATS = (
     "rows",
@@ -67,6 +68,7 @@ TOKEN_STATS = (
     "model_rows",
     "reencoded_rows",
     "repaired_rows",
+    "repairs_refused_by_bill",
 )
 TOKEN_SOURCES = ("model", "reencoded", "repaired")
 """`tokens.token_source`: the ids the endpoint reported the model generated, the returned text re-encoded, or
@@ -90,6 +92,7 @@ class SampleText:
     prompt_ids: list[int] | None
     history: list[ConversationTurn] | None = None
     output_ids: list[int] | None = None
+    billed_completion_tokens: int | None = None
 
     @property
     def truncated(self) -> bool:
@@ -198,6 +201,7 @@ def _tokens_table(
     mask: np.ndarray,
     lens: np.ndarray,
     sources: Sequence[str],
+    repairs_refused: int = 0,
 ) -> tuple[pa.Table, dict[str, int]]:
     """`lens`: per row (prompt_len, completion_len, reasoning_len); `sources`: per row, a `TOKEN_SOURCES` value."""
     offsets = pa.array(row_offsets.astype(np.int32))
@@ -225,6 +229,7 @@ def _tokens_table(
         "model_rows": sum(s == "model" for s in sources),
         "reencoded_rows": sum(s == "reencoded" for s in sources),
         "repaired_rows": sum(s == "repaired" for s in sources),
+        "repairs_refused_by_bill": repairs_refused,
     }
     return table, stats
 
@@ -255,11 +260,16 @@ def _final_turn_rows(
             if exact is not None:
                 completion_ids[i], at[i] = exact[0], exact[1:]
                 sources[i] = "model"
+    refused = 0
     for i, source in enumerate(sources):
         if repair is None or source != "reencoded":
             continue
         fixed, applied = repair.apply(backend, completion_ids[i])
-        if applied:
+        if applied and not no_further_from_bill(
+            len(completion_ids[i]), len(fixed), samples[i].billed_completion_tokens
+        ):
+            refused += 1
+        elif applied:
             layout = encoded[i]
             completion_ids[i] = fixed
             content_at = token_at(backend, fixed, layout.content_start, len(layout.text))
@@ -284,7 +294,15 @@ def _final_turn_rows(
     values = np.tile(np.asarray(loss_mask_values(rcfg.loss_on_reasoning, rcfg.loss_on_end_of_turn), np.uint8), n)
     mask = np.repeat(values, segments.ravel())
     lens = np.stack([segments[:, 0], segments[:, 1:].sum(axis=1), segments[:, 1]], axis=1)
-    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources, refused)
+
+
+def no_further_from_bill(reencoded: int, repaired: int, billed: int | None) -> bool:
+    """Whether a repair keeps the completion's length at least as close to the billed count (which counts the
+    end-of-turn token, as validation's billing check does): the rules are learned over all answers, and where this
+    answer's re-encoding already has the model's count, a rule that changes the count made the row wrong (a
+    reference answer's `Ċ Ċ` before a code fence, rewritten to `ĊĊ`). Without a bill, the rules decide alone."""
+    return billed is None or abs(repaired - billed) <= abs(reencoded - billed)
 
 
 def _multiturn_rows(
@@ -419,6 +437,7 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
             prompt_ids=prompt_ids[row].as_py() if has_prompt_ids[row] else None,
             history=None if history is None else _history(sid, history, conversation),
             output_ids=output_ids[row].as_py() if has_output_ids[row] else None,
+            billed_completion_tokens=cols["completion_tokens"][row],
         )
     return [chosen[i] for i in sorted(chosen)], not_done
 

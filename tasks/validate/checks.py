@@ -36,7 +36,9 @@ sample always is):
   the model emitted the bytes of a broken character there, which no re-encoding gives back); empty reasoning in
   a thinking format (hidden reasoning, `validation.empty_reasoning`), tool-call markup under
   `validation.tool_call_policy: fail`.
-- drop: tool-call markup under `tool_call_policy: drop` (excluded, not counted as a failure).
+- drop: tool-call markup under `tool_call_policy: drop` (excluded, not counted as a failure); an answer cut
+  inside a character of which nothing is left once its last word goes (`nothing_kept_after_cut`: a CJK or emoji
+  answer without a space; its row has no completion token to train on).
 - warn: a bpe_artifact, empty content, an answer cut inside a character (stored up to its last whole word),
   malformed tool-call text, tool-call markup under `keep`, empty reasoning under `empty_reasoning: warn`,
   prompt-token drift, or a billing delta beyond `validation.billing_tolerance_frac`.
@@ -367,7 +369,7 @@ def verdict(
     tools = "tool_call_markup" in codes
     if match == "real_difference" or codes & FAIL_ISSUES or hidden or (tools and vcfg.tool_call_policy == "fail"):
         return "fail"
-    if tools and vcfg.tool_call_policy == "drop":
+    if (tools and vcfg.tool_call_policy == "drop") or "nothing_kept_after_cut" in codes:
         return "drop"
     artifact = match == "bpe_artifact" and not stored_exact
     if artifact or codes & WARN_ISSUES or billing_flagged or tools or "empty_reasoning" in codes:
@@ -384,6 +386,7 @@ def exclusion_reasons(issues: Sequence[str], match: str, vcfg: ValidationConfig)
             code in FAIL_ISSUES
             or (code == "empty_reasoning" and vcfg.empty_reasoning == "fail")
             or (code == "tool_call_markup" and vcfg.tool_call_policy != "keep")
+            or code == "nothing_kept_after_cut"
         ):
             out.append(code)
     return out
@@ -465,6 +468,8 @@ def validate_tables(
             issues.append("replacement_character")
         if sid in cut:
             issues.append(f"cut_inside_character:{len(layout.text)} of {cut[sid]} characters kept")
+            if not layout.text:
+                issues.append("nothing_kept_after_cut")
         reference = output_ids[r].as_py() if has_output[r] else None
         stored = completions[i].tolist()
         ref = compare_reference(backend, reencoded.get(i, stored), reference, control.end_of_turn_id)

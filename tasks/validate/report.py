@@ -93,7 +93,11 @@ def overview_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["excluded"] = str(s.get("excluded", s["fail"]))
         sources = s.get("token_sources")
         if sources:
-            row["ids model-exact/re-encoded"] = f"{sources.get('model', 0)}/{sources.get('reencoded', 0)}"
+            counts = f"{sources.get('model', 0)}/{sources.get('reencoded', 0)}"
+            if sources.get("repaired"):
+                row["ids model-exact/re-encoded/repaired"] = f"{counts}/{sources['repaired']}"
+            else:
+                row["ids model-exact/re-encoded"] = counts
         row["serving"] = ("MIXED: " if s["mixed_serving"] else "") + ", ".join(
             f"{k} ({v})" for k, v in s["providers"].items()
         )
