@@ -15,7 +15,12 @@ prefect --no-prompt work-pool create eagle3-gpu --type process --overwrite
 prefect --no-prompt work-pool set-concurrency-limit eagle3-gpu 1
 
 prefect --no-prompt block register -m blocks
+# prefect.yaml ships the nightly schedule paused; a schedule you resumed stays resumed across this deploy.
+schedules="$(mktemp)"
+trap 'rm -f "$schedules"' EXIT
+python deployments/schedule_state.py save "$schedules"
 prefect --no-prompt deploy --prefect-file deployments/prefect.yaml --all
+python deployments/schedule_state.py restore "$schedules"
 # pipeline and nightly-rerun write the same run directory: one shared concurrency slot, a second run queues.
 python deployments/run_dir_concurrency.py
 # EAGLE3_DEMO_BLOCKS=1: save the blocks the deployments name, pointing at the local simulator

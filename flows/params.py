@@ -75,7 +75,11 @@ class RunParameters(BaseModel):
             index, count = (int(x) for x in self.part_slice.split("/"))
             if index >= count:
                 raise ValueError(f"part_slice {self.part_slice!r}: index must be < count")
-        if "endpoint.api_key" in self.overrides:
+        try:
+            merged = apply_overrides({}, self.overrides).get("endpoint")
+        except ConfigError as exc:  # an override that is not one: one line, as resolve_run would say
+            raise ValueError(str(exc)) from None
+        if isinstance(merged, dict) and merged.get("api_key"):  # `endpoint.api_key`, or a whole `endpoint` section
             raise ValueError("overrides must not carry endpoint.api_key; use endpoint_block or api_key_env")
         return self
 

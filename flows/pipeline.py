@@ -14,7 +14,7 @@ import time
 import warnings
 from typing import Any
 
-from prefect import flow, get_run_logger, task, unmapped
+from prefect import flow, get_run_logger, tags, task, unmapped
 from prefect.artifacts import MarkdownArtifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
@@ -40,7 +40,7 @@ from tasks.estimate.estimate import check_budget, estimate_run
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner, needs_forward_pass
 from tasks.generate.endpoint_wait import wait_for_endpoint
 from tasks.generate.endpoints import CompletionMarkers
-from tasks.generate.engine import GenerateSummary, budget_stop_message, generate_parts
+from tasks.generate.engine import budget_stop_message, generate_parts, nothing_to_send_summary
 from tasks.generate.progress import Listener
 from tasks.generate.settlement import pending_notice
 from tasks.generate.store_sync import LogMirror
@@ -231,7 +231,7 @@ def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]
             "and is not resent with these settings (no endpoint wait)",
             len(parts),
         )
-        return GenerateSummary().to_dict()
+        return nothing_to_send_summary(cfg.run_dir, parts).to_dict()
     check_tokenizer_task(cfg)
     # Every host's spend and journaled answers first (the cap holds on any worker, a dead host's answers are
     # not bought again); then this run's are mirrored at every commit.
@@ -268,6 +268,10 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     return stats
 
 
+RUN_TAG = "eagle3"
+"""The tag every eagle3 deployment gives its runs (prefect.yaml), which deployments/automations.yaml matches."""
+
+
 def stage_cpu(
     cfg: PipelineConfig, store: RunStore | None, parts: list[int], run: RunParameters | None = None
 ) -> dict[str, Any]:
@@ -282,9 +286,11 @@ def stage_cpu(
         from prefect_dask import DaskTaskRunner
 
         runner: Any = DaskTaskRunner(cluster_kwargs={"n_workers": run.dask_workers, "threads_per_worker": 1})
-        out = cpu_stages_flow.with_options(task_runner=runner)(cfg, parts)
+        with tags(RUN_TAG):
+            out = cpu_stages_flow.with_options(task_runner=runner)(cfg, parts)
     else:
-        out = cpu_stages_flow(cfg, parts)
+        with tags(RUN_TAG):  # the heartbeat automation covers runs so tagged: a dead host's subflow ends Crashed too
+            out = cpu_stages_flow(cfg, parts)
     _push(store, cfg, "tokens", parts)
     _push(store, cfg, "validation", parts)
     try:
@@ -315,15 +321,29 @@ def cpu_stages_flow(cfg: PipelineConfig, parts: list[int]) -> dict[str, Any]:
 
 def run_extract(cfg: PipelineConfig, parts: list[int], store: RunStore | None = None) -> list[dict[str, Any]]:
     """One model in one process: parts run one after another so the weights are loaded once, and not at all when
-    every hidden-states part is current."""
+    every hidden-states part is current. Results in part order (`reused` marks a part left as it was)."""
     ready = _done(cfg, "tokens", parts)
     todo = hidden_states_todo(cfg, ready)
-    results = _reused(cfg, "hidden_states", [p for p in ready if p not in todo])
+    kept = [p for p in ready if p not in todo]
+    results = dict(zip(kept, _reused(cfg, "hidden_states", kept), strict=True))
     for part in todo:
-        results.append(extract_task(cfg, part))
+        results[part] = extract_task(cfg, part)
         _push(store, cfg, "hidden_states", [part])
         _push(store, cfg, SCORES_STAGE, [part])
-    return results
+    return [results[p] for p in ready]
+
+
+def extract_elsewhere(cfg: PipelineConfig, parts: list[int], run: RunParameters) -> list[dict[str, Any]]:
+    """Extraction on the GPU pool's deployment, unless every hidden-states part is current as far as this host
+    can tell (`current_for_another_host`): a nightly rerun of a finished run directory needs no GPU worker, and
+    must not fail for want of one or wait behind a training run that holds the pool."""
+    from tasks.extract.stage import current_for_another_host
+
+    ready = _done(cfg, "tokens", parts)
+    if all(current_for_another_host(cfg, p) for p in ready):
+        get_run_logger().info("every hidden-states part is current: no extraction run on %s", run.extract_deployment)
+        return _reused(cfg, "hidden_states", ready)
+    return extract_on_deployment(run)
 
 
 def publish_scores(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]:
@@ -365,7 +385,7 @@ def run_pipeline(
     else:
         stats.update(stage_cpu(cfg, store, parts, run))
         if cfg.extract.enabled and run is not None and run.extract_deployment:
-            stats["extract"] = extract_on_deployment(run)
+            stats["extract"] = extract_elsewhere(cfg, parts, run)
         elif cfg.extract.enabled:
             stats["extract"] = run_extract(cfg, parts, store)
     if store is not None and run is not None and run.extract_deployment:
@@ -506,11 +526,14 @@ def extract_flow(run: RunParameters) -> list[dict[str, Any]]:
     parts = [p for p in _parts(resolved.cfg, "tokens") if in_slice(p, run.part_slice)]
     results = run_extract(resolved.cfg, parts, resolved.store)
     done = _done(resolved.cfg, "tokens", parts)
-    rows = [{"part": p, **{k: r.get(k) for k in EXTRACT_COLUMNS}} for p, r in zip(done, results, strict=True)]
+    rows = [
+        {"part": p, "reused": bool(r.get("reused")), **{k: r.get(k) for k in EXTRACT_COLUMNS}}
+        for p, r in zip(done, results, strict=True)
+    ]
     create_table_artifact(
         key="extract-summary",
-        table=rows or [{"part": None, **dict.fromkeys(EXTRACT_COLUMNS)}],
-        description=f"Hidden-state parts written by this run in {resolved.cfg.run_dir}"
+        table=rows or [{"part": None, "reused": None, **dict.fromkeys(EXTRACT_COLUMNS)}],
+        description=f"Hidden-state parts in {resolved.cfg.run_dir} (reused: left as a previous run wrote it)"
         + (f" (slice {run.part_slice})" if run.part_slice else ""),
     )
     return results

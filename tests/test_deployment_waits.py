@@ -67,13 +67,14 @@ def test_pipeline_and_nightly_pressed_at_once_queue_on_one_slot(deployed_cluster
     assert second["start_time"] >= first["end_time"], "the second run started while the first still ran"
 
 
-def test_pipeline_without_a_worker_on_the_gpu_pool_fails_clearly_within_the_configured_wait(
-    deployed_cluster: Cluster, tmp_path: Path
-) -> None:
-    c = deployed_cluster
-    _blocks(c, tmp_path / "runs")
-    pool = "eagle3-gpu-unstaffed"
-    c.api("POST", "/work_pools/", json={"name": pool, "type": "process"})
+UNSTAFFED_POOL = "eagle3-gpu-unstaffed"
+
+
+def _unstaffed_extract_deployment(c: Cluster) -> str:
+    """The shipped extraction deployment on a pool no worker polls."""
+    pool = UNSTAFFED_POOL
+    if not any(p["name"] == pool for p in c.api("POST", "/work_pools/filter", json={})):
+        c.api("POST", "/work_pools/", json={"name": pool, "type": "process"})
     shipped = c.api("GET", "/deployments/name/eagle3-extract/extract-gpu")
     c.api(
         "POST",
@@ -89,6 +90,16 @@ def test_pipeline_without_a_worker_on_the_gpu_pool_fails_clearly_within_the_conf
             "work_queue_name": "default",
         },
     )
+    return "eagle3-extract/extract-unstaffed"
+
+
+def test_pipeline_without_a_worker_on_the_gpu_pool_fails_clearly_within_the_configured_wait(
+    deployed_cluster: Cluster, tmp_path: Path
+) -> None:
+    c = deployed_cluster
+    _blocks(c, tmp_path / "runs")
+    pool = UNSTAFFED_POOL
+    _unstaffed_extract_deployment(c)
     wait_s = 5
     params = _params(
         c,
@@ -115,3 +126,66 @@ def test_pipeline_without_a_worker_on_the_gpu_pool_fails_clearly_within_the_conf
     print(f"\nno GPU worker: logged {logged - created:.0f} s after the extraction run was created; failed: {message}")
     run_dir = tmp_path / "runs" / "no-gpu-worker"
     assert (run_dir / "validation" / "_done").is_dir(), "every stage before extraction is finished and kept"
+
+
+def test_a_rerun_of_a_finished_run_directory_needs_no_gpu_worker(deployed_cluster: Cluster, tmp_path: Path) -> None:
+    """Extracted once (on the CPU worker here), the run directory is finished: the nightly-style rerun whose
+    extraction deployment has no worker completes without creating a run there (an independent UI probe: it
+    failed after extract_worker_wait_s, or stayed Running behind a busy GPU pool)."""
+    c = deployed_cluster
+    _blocks(c, tmp_path / "runs")
+    extract = _unstaffed_extract_deployment(c)
+    overrides = {**SMALL, "run_dir": "finished-then-rerun"}
+    first = c.trigger(
+        "eagle3-pipeline/pipeline", _params(c, "eagle3-pipeline/pipeline", overrides=overrides, extract_deployment=None)
+    )
+    assert c.wait_flow_run(first["id"])["state"]["type"] == "COMPLETED"
+    params = _params(
+        c, "eagle3-pipeline/pipeline", overrides=overrides, extract_deployment=extract, extract_worker_wait_s=5
+    )
+    rerun = c.trigger("eagle3-pipeline/pipeline", params)
+    final = c.wait_flow_run(rerun["id"])
+    assert final["state"]["type"] == "COMPLETED", final["state"]
+    children = c.api("POST", "/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [rerun["id"]]}}})
+    assert not [r for r in children if r["work_pool_name"] == UNSTAFFED_POOL], children
+
+
+def test_a_resumed_nightly_schedule_stays_resumed_across_setup(deployed_cluster: Cluster, tmp_path: Path) -> None:
+    """deployments/setup.sh is idempotent: re-running it (a `prefect deploy` of prefect.yaml, which ships the
+    schedule paused) used to pause a nightly rerun the user had resumed, silently."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    c = deployed_cluster
+    name = "eagle3-pipeline/nightly-rerun"
+
+    def schedule() -> dict[str, Any]:
+        [found] = c.api("GET", f"/deployments/name/{name}")["schedules"]
+        return dict(found)
+
+    deployment_id = c.api("GET", f"/deployments/name/{name}")["id"]
+    c.api("PATCH", f"/deployments/{deployment_id}/schedules/{schedule()['id']}", json={"active": True})
+    state = tmp_path / "schedules.json"
+    env = {**c.client_env, "EAGLE3_DATAGEN_HOME": str(REPO)}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    steps = [
+        [sys.executable, "deployments/schedule_state.py", "save", str(state)],
+        [prefect, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "nightly-rerun"],
+    ]
+    try:
+        for step in steps:
+            subprocess.run(step, env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
+        assert not schedule()["active"], "prefect deploy alone pauses it (what setup.sh now undoes)"
+        subprocess.run(
+            [sys.executable, "deployments/schedule_state.py", "restore", str(state)],
+            env=env,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        assert schedule()["active"]
+    finally:
+        c.api("PATCH", f"/deployments/{deployment_id}/schedules/{schedule()['id']}", json={"active": False})

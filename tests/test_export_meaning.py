@@ -274,7 +274,7 @@ def test_specforge_vocabulary_mapping_is_its_own(meaning_run: dict[str, Any], tm
     out, vocab = tmp_path / "sf", meaning_run["model"].config.vocab_size
     mappings = {}
     for max_length in (None, 16):  # 16: shorter than every sample but one, so the counts differ
-        export_run(
+        stats = export_run(
             meaning_run["root"] / "run",
             "specforge",
             out,
@@ -284,8 +284,10 @@ def test_specforge_vocabulary_mapping_is_its_own(meaning_run: dict[str, Any], tm
         )
         config = load_config(str(out / "specforge_config.yaml"))  # its own loader: eval needs an interval
         assert config.data.eval_hidden_states_path == str(out / "eval") and config.training.eval_interval > 0
-        assert config.model.vocab_mapping_path == str(out / f"vocab_mapping-{DRAFT_VOCAB}.pt")
-        mapping = torch.load(config.model.vocab_mapping_path, weights_only=True)
+        # SpecForge's generated draft has 32,000 draft tokens and no setting for another size: a mapping of 64
+        # named in the config failed its load_vocab_mapping (an independent re-verifier), so it is left out.
+        assert config.model.vocab_mapping_path == "" and "is not named in specforge_config.yaml" in stats["warnings"][0]
+        mapping = torch.load(out / f"vocab_mapping-{DRAFT_VOCAB}.pt", weights_only=True)
         counts = count_effective_feature_tokens(
             config.data.hidden_states_path, max_length=config.data.max_length, target_vocab_size=vocab
         )

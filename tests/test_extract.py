@@ -534,6 +534,24 @@ def test_rerun_of_done_part_does_no_forward_pass(
     assert runner_f32.forward_passes == passes
 
 
+def test_a_host_without_the_model_tells_a_current_part_from_a_stale_one(
+    tmp_path: Path, tiny_model_dir: Path, runner_f32: HFHiddenStateRunner
+) -> None:
+    """The CPU worker hands extraction to the GPU pool and cannot read the model: a nightly rerun of a finished
+    run directory sent a GPU run anyway (failing with no GPU worker online, waiting behind a busy pool). It judges
+    from the recipe recorded with the part, less the model's path and config digest."""
+    from tasks.extract.stage import current_for_another_host
+
+    write_tokens(tmp_path, sample_ids(LENGTHS, seed=6))
+    extract_part(make_cfg(tmp_path, tiny_model_dir, dtype="float32"), 0, runner_f32)
+    elsewhere = tmp_path / "model-on-the-gpu-host"
+    assert current_for_another_host(make_cfg(tmp_path, tiny_model_dir, dtype="float32"), 0)
+    assert current_for_another_host(make_cfg(tmp_path, tiny_model_dir, dtype="float32", model_path=elsewhere), 0)
+    assert not current_for_another_host(make_cfg(tmp_path, tiny_model_dir, dtype="bfloat16", model_path=elsewhere), 0)
+    write_tokens(tmp_path, sample_ids(LENGTHS, seed=7))
+    assert not current_for_another_host(make_cfg(tmp_path, tiny_model_dir, dtype="float32", model_path=elsewhere), 0)
+
+
 def test_crash_mid_part_then_resume_gives_the_clean_result(
     tmp_path: Path, tiny_model_dir: Path, runner_f32: HFHiddenStateRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:

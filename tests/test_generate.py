@@ -23,6 +23,7 @@ from tasks.generate import CompletionMarkers, generate_parts
 from tasks.generate.chunks import chunk_dir
 from tasks.generate.client import backoff_delay, parse_retry_after
 from tasks.generate.endpoints import build_request, endpoint_url, split_completion
+from tasks.generate.engine import nothing_to_send_summary
 from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 EOS = "<｜end▁of▁sentence｜>"
@@ -221,6 +222,11 @@ def test_400_fails_the_sample_without_retry_and_rerun_retries_it_only_when_asked
     sim.update_config(failures=())
     kept = generate_parts(cfg, refs(tmp_path, 2), MARKERS).to_dict()["total"]
     assert (kept["requests_sent"], kept["kept_failed"]) == (0, len(failed_keys))
+    # The pipeline, seeing nothing to send, reports the same without calling generate (it said 0 samples, $0).
+    idle = nothing_to_send_summary(tmp_path, [0, 1]).total()
+    for key in ("samples", "skipped_already_done", "kept_failed", "run_dir_billed_usd", "run_dir_counted_usd"):
+        assert idle[key] == kept[key], key
+    assert idle["samples"] == 12 and idle["run_dir_billed_usd"] > 0
     assert sim.stats()["by_key"] == stats, "a deterministic failure was re-sent by a plain rerun"
 
     cfg = make_cfg(tmp_path, sim, tokenizer_dir, retry_failed="all")

@@ -29,6 +29,10 @@ def test_inline_config_with_overrides_resolves_to_the_strict_config() -> None:
         ({"config_path": "a.yaml", "config": INLINE}, "exactly one"),
         ({"config": {**INLINE, "endpoint": {"model": "m", "api_key": "sk-x"}}}, "must not carry endpoint.api_key"),
         ({"config_path": "a.yaml", "overrides": {"endpoint.api_key": "sk-x"}}, "must not carry endpoint.api_key"),
+        # a whole section as one override (an independent UI probe: it reached the flow run's parameters)
+        ({"config_path": "a.yaml", "overrides": {"endpoint": {"model": "m", "api_key": "sk-x"}}}, "must not carry"),
+        ({"config": INLINE, "overrides": {"endpoint": {"model": "m", "api_key": "sk-x"}}}, "must not carry"),
+        ({"config_path": "a.yaml", "overrides": {"endpoint": "x", "endpoint.model": "m"}}, "is not a section"),
         ({"config_path": "a.yaml", "part_slice": "8/8"}, "index must be < count"),
         ({"config_path": "a.yaml", "part_slice": "1-8"}, "pattern"),
         ({"config_path": "a.yaml", "surprise": 1}, "surprise"),

@@ -154,11 +154,11 @@ def export_run(
     trainer: dict[str, Any]
     if fmt == "specforge":
         head = specforge.head_source(model_dir, bool(config.get_text_config().tie_word_embeddings))
-        warnings += head.problems
+        warnings += head.problems + specforge.draft_vocab_problem(draft_vocab_size)
         trainer_config = specforge.trainer_config(
             out_dir, model_dir, layers, n_val > 0, vocab_files[0] if vocab_files else None, max_length, head
         )
-        specforge.write_trainer_config(out_dir, trainer_config, head.problems)
+        specforge.write_trainer_config(out_dir, trainer_config, warnings)
         trainer = {"config_file": specforge.CONFIG_FILE, "config": trainer_config}
     else:
         trainer = speculators.trainer_arguments(layers, num_layers, ratio)

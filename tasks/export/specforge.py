@@ -55,6 +55,9 @@ LAYOUT = "bf16-v2"
 DEFAULT_MAX_LENGTH = 2048
 """SpecForge 0.2.0's `data.max_length` default: it trains on, and counts its draft vocabulary over, the first
 `max_length` tokens of each sample."""
+DRAFT_VOCAB_SIZE = 32000
+"""The draft vocabulary SpecForge 0.2.0's generated draft config has: its schema has no setting for it, only a
+draft config file of one's own (`model.draft_model_config`) changes it."""
 EVAL_INTERVAL = 500
 """`training.eval_interval` in the written config: SpecForge 0.2.0 refuses eval data without one (steps)."""
 
@@ -214,7 +217,7 @@ def trainer_config(
         model["lm_head_key"] = head.lm_head_key
     if head.embedding_key:
         model["embedding_key"] = head.embedding_key
-    if vocab_mapping:
+    if vocab_mapping and vocab_mapping == f"vocab_mapping-{DRAFT_VOCAB_SIZE}.pt":
         model["vocab_mapping_path"] = str(out_dir / vocab_mapping)
     data: dict[str, Any] = {"hidden_states_path": str(out_dir / TRAIN_DIR), "max_length": max_length}
     config: dict[str, Any] = {"model": model, "data": data}
@@ -222,6 +225,19 @@ def trainer_config(
         data["eval_hidden_states_path"] = str(out_dir / EVAL_DIR)
         config["training"] = {"eval_interval": EVAL_INTERVAL}
     return config
+
+
+def draft_vocab_problem(draft_vocab_size: int | None) -> list[str]:
+    """A mapping of another size than SpecForge's generated draft has fails its `load_vocab_mapping` (tensor
+    sizes 32000 vs N): the config then leaves the mapping out (SpecForge derives its own 32,000-token one)."""
+    if draft_vocab_size is None or draft_vocab_size == DRAFT_VOCAB_SIZE:
+        return []
+    return [
+        f"vocab_mapping-{draft_vocab_size}.pt is not named in {CONFIG_FILE}: SpecForge 0.2.0 generates a draft with "
+        f"{DRAFT_VOCAB_SIZE:,} draft tokens and has no setting for another size; to train with "
+        f"{draft_vocab_size:,}, give it model.draft_model_config (a draft config with draft_vocab_size: "
+        f"{draft_vocab_size}) and model.vocab_mapping_path, or export with --draft-vocab-size {DRAFT_VOCAB_SIZE}"
+    ]
 
 
 def write_trainer_config(out_dir: Path, config: dict[str, Any], problems: list[str]) -> None:

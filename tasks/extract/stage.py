@@ -38,6 +38,7 @@ from tasks.common.shards import (
     is_current,
     read_marker,
     read_part,
+    read_provenance,
     recipe_digest,
     write_part,
 )
@@ -173,6 +174,36 @@ def index_current(cfg: PipelineConfig, part: int) -> bool:
 def hidden_states_current(cfg: PipelineConfig, part: int) -> bool:
     """Nothing left to do for this part: its states and (with scoring on) its scores are current."""
     return index_current(cfg, part) and (not cfg.scores_extracted or scores_current(cfg, part))
+
+
+HOST_SPECIFIC = ("model_path", "model_config_sha256")
+"""Recipe fields only the host that reads the model can judge."""
+
+
+def current_for_another_host(cfg: PipelineConfig, part: int) -> bool:
+    """Whether a host that hands extraction to another (the CPU worker, the GPU pool's deployment) can tell this
+    part needs nothing: exactly `hidden_states_current` where this host reads the model's config; elsewhere, its
+    inputs and scores are current and the recipe recorded with it (`extract_recipe` in the provenance, matching
+    the marker's digest) equals this config's in everything but the model's path and config digest. A part
+    written before the recipe was recorded is not judged current (the GPU run decides)."""
+    if (cfg.extract_model_path / "config.json").is_file():
+        return hidden_states_current(cfg, part)
+    ref = PartRef(cfg.run_dir, HIDDEN_DIR, part)
+    if not ref.is_done():
+        return False
+    marker = read_marker(ref)
+    recorded = read_provenance(ref.path).get("extract_recipe")
+    if not isinstance(recorded, dict) or marker.get("recipe") != recipe_digest(recorded):
+        return False
+    here = hidden_states_recipe(cfg)
+    if any(recorded.get(k) != v for k, v in here.items() if k not in HOST_SPECIFIC):
+        return False
+    inputs = Build(hidden_states_build(cfg, part).inputs)
+    return (
+        inputs.matches(marker)
+        and marker_is_current(marker["stats"])
+        and (not cfg.scores_extracted or scores_current(cfg, part))
+    )
 
 
 def needs_forward_pass(cfg: PipelineConfig, part: int) -> bool:
@@ -325,7 +356,8 @@ def extract_part(
         "writer_ready_wait_s": round(writer.ready_wait_s, 4),
         "submit_wait_s": round(writer.submit_wait_s, 4),
     }
-    write_part(out_ref, index, {**cfg.provenance(), **runner.provenance()}, stats, build)
+    provenance = {**cfg.provenance(), **runner.provenance(), "extract_recipe": hidden_states_recipe(cfg)}
+    write_part(out_ref, index, provenance, stats, build)
     if collector is not None:
         head = score_head_for(cfg, runner).describe()
         datasets = [r["dataset"] for r in rows]

@@ -191,6 +191,28 @@ class GenerateSummary:
         return {"total": self.total(), "parts": [p.to_dict() for p in self.parts]}
 
 
+def nothing_to_send_summary(run_dir: Path, parts: list[int]) -> GenerateSummary:
+    """What a run that sends nothing reports (a nightly rerun of a finished run directory): each part's samples
+    as already done or kept as failed, and the run directory's recorded spend from the ledger, where an empty
+    summary said 0 samples and $0 billed."""
+    summary = GenerateSummary()
+    for part in parts:
+        ref = PartRef(run_dir, "responses", part)
+        statuses = read_part(ref, columns=["status"]).column("status").to_pylist() if ref.is_done() else []
+        done = statuses.count("done")
+        summary.parts.append(
+            PartSummary(part, samples=len(statuses), skipped_already_done=done, kept_failed=len(statuses) - done)
+        )
+    totals = SpendLedger.load(run_dir).totals()
+    summary.billed_usd, summary.pending_usd, summary.counted_usd = (
+        totals.billed_usd,
+        totals.pending_usd,
+        totals.counted_usd,
+    )
+    summary.spend = totals.to_dict()
+    return summary
+
+
 @dataclass
 class _WorkItem:
     sample_id: str
