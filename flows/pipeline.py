@@ -63,6 +63,7 @@ from tasks.status.plan import (
     validation_todo,
 )
 from tasks.status.report import RunStatus, rerun_summary, run_status, write_failed_file
+from tasks.status.unfinished import status_notes
 from tasks.validate.checks import check_gates, gate_violations, summarize_validation, validate_part
 from tasks.validate.report import artifact_markdown, overview_table, write_validation_report
 
@@ -256,7 +257,17 @@ def _budget_stopped(stats: dict[str, Any]) -> bool:
 
 def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     """A run the cost cap ended is not a failure: it completes (a plain Completed, so every run list shows it),
-    its message says so, and `mark_budget_stopped` tags it and tells automations."""
+    its message says so, and `mark_budget_stopped` tags it and tells automations. A retried run (the UI's Retry)
+    that completes replaces its earlier attempt's failure-summary, which the UI would otherwise show as latest."""
+    from prefect.runtime import flow_run
+
+    attempt = int(flow_run.run_count or 1)
+    if attempt > 1:
+        create_markdown_artifact(
+            key="failure-summary",
+            markdown=f"# Attempt {attempt} completed\n\nAn earlier attempt of this run failed; this one finished "
+            "(see run-summary and run-status). The earlier failure's tables are older versions of their keys.",
+        )
     generate = stats.get("generate", stats)
     if _budget_stopped(generate):
         total = generate["total"]
@@ -422,7 +433,8 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
     )
     failed_file = write_failed_file(status)
     publish_failed_samples(status.failure_records(), failed_file)
-    create_markdown_artifact(key="run-status", markdown=status.markdown())
+    notes = "".join(f"- {line}\n" for line in status_notes(cfg.run_dir))  # paid answers in unfinished parts, spend
+    create_markdown_artifact(key="run-status", markdown=f"{status.markdown()}\n{notes}")
     create_table_artifact(
         key="run-status-table",
         table=status.rows(),

@@ -166,3 +166,33 @@ def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summa
     summary = Artifact.get("failure-summary")
     assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id
     assert "validation: 2" in str(summary.data) and "hidden_states: 0" in str(summary.data)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_retried_run_that_completes_replaces_its_failure_summary(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The UI's Retry of a failed run that then completes left the first attempt's failure-summary as the latest
+    version of the key (an independent UI probe): the completed attempt writes its own."""
+    from prefect.artifacts import Artifact
+
+    import flows.pipeline as pipeline_module
+
+    attempts: list[int] = []
+
+    def fails_once(cfg: Any, store: Any, run: Any) -> dict[str, Any]:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("the first attempt fails")
+        return {"run_dir": str(cfg.run_dir)}
+
+    monkeypatch.setattr(pipeline_module, "run_pipeline", fails_once)
+    run = RunParameters(
+        config_path=str(demo_config_path()),
+        overrides={"run_dir": str(tmp_path / "retried"), "tokenizer.path": str(tiny_model_dir)},
+    )
+    state = pipeline.with_options(retries=1, retry_delay_seconds=0)(run, return_state=True)
+    assert state.is_completed() and len(attempts) == 2
+    summary = Artifact.get("failure-summary")
+    assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id
+    assert "Attempt 2 completed" in str(summary.data)

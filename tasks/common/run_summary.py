@@ -44,8 +44,13 @@ def stage_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def generate_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Amounts to 1e-10 USD, the ledger's own precision (a float sum showed as 0.020358600000000004)."""
     total = (stats.get("generate") or {}).get("total") or {}
-    return [{"metric": label, "value": total.get(key)} for label, key in GENERATE_TOTALS if key in total]
+    return [
+        {"metric": label, "value": round(value, 10) if isinstance(value := total.get(key), float) else value}
+        for label, key in GENERATE_TOTALS
+        if key in total
+    ]
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> list[str]:
