@@ -217,3 +217,35 @@ def test_status_reuses_its_last_result_only_while_no_marker_quarantine_or_settin
 
     cache.write_text("{not json")
     assert expected() == 1
+
+
+def test_rows_validation_dropped_are_not_expected_in_hidden_states(
+    tmp_path: Path, sim: SimulatorServer, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Extraction never takes a row validation dropped (tool-call markup under `tool_call_policy: drop`, an answer
+    with nothing left after a cut character): `status` expected its hidden states anyway, so such a run said
+    "stages disagree" and exited 6 after every rerun (an independent re-verifier)."""
+    from tasks.extract.hf_backend import HFHiddenStateRunner
+    from tasks.extract.stage import extract_part
+
+    config = _config(
+        tmp_path,
+        sim,
+        tiny_model_dir,
+        DEMO_DATA / "demo_b1.jsonl",
+        extract={"enabled": True, "max_tokens_per_batch": 512},
+        validation={"tool_call_policy": "drop"},
+    )
+    assert main(["generate", str(config), "--no-progress"]) == 0
+    _cpu_stages(config, [0, 1])
+    cfg = load_config(config)
+    runner = HFHiddenStateRunner.load(tiny_model_dir, device="cpu", max_tokens_per_batch=512)
+    for part in (0, 1):
+        extract_part(cfg, part, runner)
+    status = run_status(tmp_path / "run", extract_enabled=True)
+    validation = status.counts["B1"]["validation"]
+    hidden = status.counts["B1"]["hidden_states"]
+    assert validation.done == SAMPLES and hidden.expected == hidden.done < SAMPLES, (validation, hidden)
+    assert status.consistent, status.problems
+    capsys.readouterr()
+    assert main(["status", str(tmp_path / "run"), "--config", str(config)]) == 0

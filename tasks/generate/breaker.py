@@ -188,8 +188,8 @@ class CircuitBreaker:
             down_s = time.monotonic() - (self.down_since or time.monotonic())
             self._on_event(
                 "outage_end",
-                f"{self.where} answers again after {down_s:.1f} s down; {self.sent_while_down} requests were "
-                "sent while it was down; sending resumes",
+                f"{self.where} answers again after {down_s:.1f} s down; only liveness probes and single trial "
+                f"requests were sent while it was down ({self.sent_while_down}); sending resumes",
             )
         self.down_since = None
         self._notify()
