@@ -189,3 +189,37 @@ def test_a_resumed_nightly_schedule_stays_resumed_across_setup(deployed_cluster:
         assert schedule()["active"]
     finally:
         c.api("PATCH", f"/deployments/{deployment_id}/schedules/{schedule()['id']}", json={"active": False})
+
+
+def test_a_run_outlives_its_worker(deployed_cluster: Cluster, tmp_path: Path) -> None:
+    """kill -9 of the worker alone (a worker restart, its host alive): the run it started used to end "aborted by
+    Python system exit call" at its next log line (rich's SystemExit on the closed pipe); it now completes."""
+    import os
+    import signal
+
+    from tests.prefect_cluster import descendants
+
+    c = deployed_cluster
+    _blocks(c, tmp_path / "runs")
+    c.sim("POST", "/_sim/config", json={"latency_s": 1.0})
+    overrides = {**SMALL, "run_dir": "worker-killed", "extract.enabled": False, "endpoint.max_in_flight": 2}
+    try:
+        run = c.trigger("eagle3-pipeline/pipeline", _params(c, "eagle3-pipeline/pipeline", overrides=overrides))
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            flow_run = c.api("GET", f"/flow_runs/{run['id']}")
+            pid = (flow_run.get("infrastructure_pid") or "").rpartition(":")[2]
+            if flow_run["state"]["type"] == "RUNNING" and pid.isdigit():
+                victim = next(
+                    (h for h, w in c.workers.items() if w.poll() is None and int(pid) in descendants(w.pid)), None
+                )
+            time.sleep(0.2)
+        assert victim is not None, "the run never started on a live worker"
+        os.kill(c.workers[victim].pid, signal.SIGKILL)
+        c.workers[victim].wait(timeout=30)
+        c.start_worker("eagle3-cpu", f"{victim}-restarted")
+        final = c.wait_flow_run(run["id"], timeout_s=300)
+    finally:
+        c.sim("POST", "/_sim/config", json={"latency_s": 0.0})
+    assert final["state"]["type"] == "COMPLETED", final["state"]
