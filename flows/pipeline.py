@@ -268,6 +268,8 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
             markdown=f"# Attempt {attempt} completed\n\nAn earlier attempt of this run failed; this one finished "
             "(see run-summary and run-status). The earlier failure's tables are older versions of their keys.",
         )
+    if stats.get("dry_run"):  # a plain Completed looked like a run that had bought its answers
+        return Completed(message="DryRun: nothing was sent; the estimate artifact says what a run would", data=stats)
     generate = stats.get("generate", stats)
     if _budget_stopped(generate):
         total = generate["total"]

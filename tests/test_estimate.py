@@ -157,7 +157,9 @@ def test_the_flow_estimates_first_stops_on_dry_run_and_refuses_above_the_cap(
     dry = RunParameters(
         config_path=str(demo_config_path()), overrides=_overrides(tmp_path / "dry", sim, tokenizer_dir), dry_run=True
     )
-    stats = pipeline(dry)
+    state = pipeline(dry, return_state=True)
+    assert state.is_completed() and (state.message or "").startswith("DryRun: nothing was sent")
+    stats = state.result()
     assert stats["dry_run"] and stats["estimate"]["requests"] == 80
     assert "prompt tokens (exact)" in stats["estimate"]["text"]
     estimate = Artifact.get("estimate")
