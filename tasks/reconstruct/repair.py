@@ -168,7 +168,7 @@ def reference_pairs(
             if row["finish_reason"] == "length":
                 continue
             try:
-                layout = completion_layout(fmt, row["reasoning"], row["content"], row["finish_reason"] == "length")
+                layout = completion_layout(fmt, row["reasoning"], row["content"], False)
             except ValueError:
                 continue
             exact = model_completion(backend, layout, row["output_ids"], eot)
