@@ -166,6 +166,16 @@ def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summa
     summary = Artifact.get("failure-summary")
     assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id
     assert "validation: 2" in str(summary.data) and "hidden_states: 0" in str(summary.data)
+    # The gate is one line in the run's log too, not two tracebacks (an independent UI probe counted ~75 lines).
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    failures = [log.message for log in logs if "Encountered exception" in log.message]
+    assert failures and not [m for m in failures if "Traceback" in m], failures
 
 
 @pytest.mark.usefixtures("prefect_harness")

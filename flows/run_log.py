@@ -1,0 +1,32 @@
+"""One line, not a traceback, in a flow run's log for the errors this package raises on purpose.
+
+Prefect's engines log every failure with its traceback ("Encountered exception during execution", once for the
+task and once for the flow): an independent probe counted about 75 lines in the UI's log for a crossed validation
+gate, whose state message already says it in one line. A `DatagenError` (a gate, a refusal, a config error, a
+sample that does not check out) names what to change; its traceback tells the user nothing the CLI would not hide
+too (`--debug` shows it there). Any other exception keeps its traceback: that one is a bug to report.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tasks.common.errors import DatagenError
+
+ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+class TypedErrorsInOneLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, DatagenError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def install() -> None:
+    for name in ENGINE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, TypedErrorsInOneLine) for f in logger.filters):
+            logger.addFilter(TypedErrorsInOneLine())
