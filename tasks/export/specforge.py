@@ -217,7 +217,7 @@ def trainer_config(
         model["lm_head_key"] = head.lm_head_key
     if head.embedding_key:
         model["embedding_key"] = head.embedding_key
-    if vocab_mapping and vocab_mapping == f"vocab_mapping-{DRAFT_VOCAB_SIZE}.pt":
+    if vocab_mapping == f"vocab_mapping-{DRAFT_VOCAB_SIZE}.pt":
         model["vocab_mapping_path"] = str(out_dir / vocab_mapping)
     data: dict[str, Any] = {"hidden_states_path": str(out_dir / TRAIN_DIR), "max_length": max_length}
     config: dict[str, Any] = {"model": model, "data": data}

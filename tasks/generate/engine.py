@@ -41,6 +41,7 @@ from tasks.common.schemas import RESPONSES
 from tasks.common.shards import (
     PartRef,
     conform,
+    read_marker,
     read_part,
     stage_metadata,
     write_parquet_atomic,
@@ -153,6 +154,11 @@ class GenerateSummary:
     peak_in_flight: int = 0
     window_shrinks: int = 0
 
+    def take_spend(self, totals: SpendTotals) -> None:
+        """The run directory's money, from its spend ledger."""
+        self.billed_usd, self.pending_usd, self.counted_usd = totals.billed_usd, totals.pending_usd, totals.counted_usd
+        self.spend = totals.to_dict()
+
     def total(self) -> dict[str, Any]:
         reasons: Counter[str] = Counter()
         retries: Counter[str] = Counter()
@@ -198,18 +204,10 @@ def nothing_to_send_summary(run_dir: Path, parts: list[int]) -> GenerateSummary:
     summary = GenerateSummary()
     for part in parts:
         ref = PartRef(run_dir, "responses", part)
-        statuses = read_part(ref, columns=["status"]).column("status").to_pylist() if ref.is_done() else []
-        done = statuses.count("done")
-        summary.parts.append(
-            PartSummary(part, samples=len(statuses), skipped_already_done=done, kept_failed=len(statuses) - done)
-        )
-    totals = SpendLedger.load(run_dir).totals()
-    summary.billed_usd, summary.pending_usd, summary.counted_usd = (
-        totals.billed_usd,
-        totals.pending_usd,
-        totals.counted_usd,
-    )
-    summary.spend = totals.to_dict()
+        statuses: dict[str, int] = read_marker(ref).get("status_counts", {}) if ref.is_done() else {}
+        samples, done = sum(statuses.values()), statuses.get("done", 0)
+        summary.parts.append(PartSummary(part, samples=samples, skipped_already_done=done, kept_failed=samples - done))
+    summary.take_spend(SpendLedger.load(run_dir).totals())
     return summary
 
 
@@ -850,11 +848,6 @@ def _generate_locked(
             state.summary.cost_usd, state.summary.pending_usd = mine.billed_usd, mine.pending_usd
         this_run = ledger.totals_of_run(writer.token)
         summary.run_billed_usd, summary.run_pending_usd = this_run.billed_usd, this_run.pending_usd
-    summary.billed_usd, summary.pending_usd, summary.counted_usd = (
-        after.billed_usd,
-        after.pending_usd,
-        after.counted_usd,
-    )
-    summary.spend = after.to_dict()
+    summary.take_spend(after)
     summary.stopped = "budget" if stopped and any(s.outstanding for s in states) else None
     return summary

@@ -438,8 +438,8 @@ def _reconcile(
             )
             if not failing:
                 c.done += 1
-                if not (stage == "validation" and row.get("verdict") == "drop"):
-                    done.add(sid)  # a dropped row (policy, nothing to train on) is never extracted
+                if not (stage == "validation" and skip_failed_validation and row.get("verdict") == "drop"):
+                    done.add(sid)  # extraction skips a dropped row with the failed ones (`failed_validation_ids`)
                 continue
             record = _failure(sid, datasets[sid], stage, row, retry_failed)
             c.failed += 1
@@ -450,7 +450,7 @@ def _reconcile(
             name = datasets.get(sid, have[sid]["dataset"])
             counts.setdefault(name, {s: StageCount() for s in stages})[stage].extra += 1
         # The next stage expects what this one finished: tokens the done responses, hidden states the rows
-        # validation did not fail (all of them when extraction keeps failed samples) nor drop.
+        # validation did not fail nor drop (all of them when extraction keeps failed samples).
         if stage == "validation" and not skip_failed_validation:
             done |= {f["sample_id"] for f in failed if f["stage"] == "validation"}
         expected = done

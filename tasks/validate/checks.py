@@ -25,8 +25,8 @@ prompt: exact / within_tolerance / drift / no_usage), the open tag across the pr
 (doubled or missing), tool-call markup of every supported family, and whether the answer has boundary
 whitespace (per provider, against reference ids where there are some, it tells a stack that strips).
 
-Verdict policy (a "fail" sample is excluded from extraction when `extract.skip_failed_validation`, a "drop"
-sample always is):
+Verdict policy (a "fail" or "drop" sample is excluded from extraction when `extract.skip_failed_validation`,
+the default; a "drop" is not counted as a failure):
 - fail: a real_difference, or an issue that corrupts the training sequence: the close/open tag or another
   think marker inside reasoning or content (the split between them is wrong), a special-token id inside
   the reasoning or content beyond the format's own (`<|im_end|>` in the content, a doubled `<think>` across
