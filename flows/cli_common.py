@@ -113,9 +113,12 @@ def print_run_summary(stats: dict[str, Any], wall_s: float, what: str) -> None:
     console.print(stages)
     prep = stats["prepare"]
     gen = stats["generate"]["total"]
+    empty_system = sum(d.get("empty_system_dropped", 0) for d in prep["datasets"].values())
     console.print(
         f"prompts kept {sum(d['kept'] for d in prep['datasets'].values())}, quarantined {prep['quarantined']} "
-        f"({prep['quarantine_path']})\n"
+        f"({prep['quarantine_path']})"
+        + (f", empty system turns left out {empty_system}" if empty_system else "")
+        + "\n"
         f"this run: requests sent {gen['requests_sent']}, billed {format_usd(gen['cost_usd'] or 0)}, "
         f"pending {format_usd(gen.get('pending_usd') or 0)}; "
         f"report: {stats['run_dir']}/reports/report.html"

@@ -167,3 +167,26 @@ def test_a_line_that_is_not_utf8_is_quarantined_not_replaced(tmp_path: Path) -> 
     assert record["source_row"] == 1 and record["reason"] == "not UTF-8: byte 0xe9 at byte 47"
     table = pa.concat_tables([read_part(r) for r in done_parts(tmp_path / "run", "prompts")])
     assert "\ufffd" not in json.dumps(table.to_pylist(), ensure_ascii=False)
+
+
+def test_an_empty_system_turn_is_left_out_and_counted_not_quarantined(tmp_path: Path) -> None:
+    """ShareGPT exports put `{"from": "system", "value": ""}` on every row; quarantining those lost whole datasets."""
+    rows = [
+        {"conversations": [{"from": "system", "value": ""}, {"from": "human", "value": "hello"}]},
+        {"messages": [{"role": "system", "content": "  \n"}, {"role": "user", "content": "bye"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "bye"}]},
+        {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": ""}]},
+    ]
+    cfg = make_cfg(tmp_path, [{"name": "S", "path": write_jsonl(tmp_path / "s.jsonl", rows)}])
+    result = prepare_datasets(cfg)
+
+    counts = result.datasets["S"]
+    assert (counts.kept, counts.quarantined, counts.empty_system_dropped) == (3, 1, 2)
+    table = pa.concat_tables([read_part(r) for r in done_parts(cfg.run_dir, "prompts")])
+    assert table["messages"].to_pylist() == [
+        [{"role": "user", "content": "hello"}],
+        [{"role": "user", "content": "bye"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "bye"}],
+    ]
+    reason = json.loads(result.quarantine_path.read_text())["reason"]
+    assert reason == "turn 1 (user) has empty content"

@@ -39,6 +39,7 @@ class DatasetCounts:
     kept: int = 0
     duplicates: int = 0
     quarantined: int = 0
+    empty_system_dropped: int = 0
     already_prepared: int = 0
     new: int = 0
     parts: list[int] = field(default_factory=list)
@@ -116,6 +117,15 @@ def _json_error(exc: json.JSONDecodeError) -> str:
 
 
 def normalize_row(row: Any, shape: str) -> list[Message]:
+    return normalize_row_counting(row, shape)[0]
+
+
+def normalize_row_counting(row: Any, shape: str) -> tuple[list[Message], int]:
+    """The row's prompt, and how many empty system turns were left out of it.
+
+    ShareGPT exports commonly carry `{"from": "system", "value": ""}` on every row: it says "no system prompt", so
+    the turn is dropped (the endpoint is sent, and the ids are built from, the same messages) rather than the row
+    quarantined. An empty user or assistant turn is still a malformed row."""
     if not isinstance(row, dict):
         raise MalformedRow(f"row is {type(row).__name__}, expected an object")
     if shape == "auto":
@@ -139,6 +149,7 @@ def normalize_row(row: Any, shape: str) -> list[Message]:
     if not turns:
         raise MalformedRow(f"{shape} must be a non-empty list, got an empty one")
     messages: list[Message] = []
+    empty_system = 0
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise MalformedRow(f"turn {i} is {type(turn).__name__}, expected an object")
@@ -151,12 +162,15 @@ def normalize_row(row: Any, shape: str) -> list[Message]:
         if not isinstance(content, str):
             raise MalformedRow(f"turn {i} content is {type(content).__name__}, expected a string")
         if not content.strip():
+            if roles[role] == "system":
+                empty_system += 1
+                continue
             raise MalformedRow(f"turn {i} ({roles[role]}) has empty content")
         messages.append(Message(role=roles[role], content=content))
     prompt = prompt_messages(messages)
     if not prompt or prompt[-1]["role"] != "user":
         raise MalformedRow("conversation has no user turn to answer (after dropping trailing assistant turns)")
-    return prompt
+    return prompt, empty_system
 
 
 def _fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
@@ -225,7 +239,7 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
             try:
                 if parse_error:
                     raise MalformedRow(parse_error)
-                messages = normalize_row(raw, ds.shape)
+                messages, empty_system = normalize_row_counting(raw, ds.shape)
             except MalformedRow as exc:
                 c.quarantined += 1
                 quarantine.append(
@@ -241,6 +255,7 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
                     )
                 )
                 continue
+            c.empty_system_dropped += empty_system
             sid = sample_id(ds.name, messages)
             if sid in seen:
                 c.duplicates += 1
