@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from flows.budget_stop import mark_budget_stopped
+from flows.crashed_leftovers import RUN_TAG, close_crashed_leftovers
 from flows.extract_handoff import extract_on_deployment
 from flows.failed_samples import publish_failed_samples
 from flows.generate_progress import (
@@ -281,10 +282,6 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     return stats
 
 
-RUN_TAG = "eagle3"
-"""The tag every eagle3 deployment gives its runs (prefect.yaml), which deployments/automations.yaml matches."""
-
-
 def stage_cpu(
     cfg: PipelineConfig, store: RunStore | None, parts: list[int], run: RunParameters | None = None
 ) -> dict[str, Any]:
@@ -499,7 +496,11 @@ def rerun_outlook(status: RunStatus) -> list[str]:
     return lines
 
 
-FLOW_OPTIONS: dict[str, Any] = {"log_prints": True, "on_failure": [failure_summary_hook]}
+FLOW_OPTIONS: dict[str, Any] = {
+    "log_prints": True,
+    "on_failure": [failure_summary_hook],
+    "on_running": [close_crashed_leftovers],
+}
 
 
 @flow(name="eagle3-pipeline", **FLOW_OPTIONS)

@@ -100,6 +100,15 @@ def test_a_killed_cpu_host_loses_nothing_and_the_rerun_completes_from_the_store(
     )
 
     c.run_to_completion("eagle3-pipeline/pipeline", params)
+    left_open = c.api(  # the UI must not show the dead run's tasks as Running (flows/crashed_leftovers.py)
+        "POST",
+        "/task_runs/filter",
+        json={
+            "flow_runs": {"id": {"any_": [first["id"]]}},
+            "task_runs": {"state": {"type": {"any_": ["RUNNING", "PENDING", "SCHEDULED"]}}},
+        },
+    )
+    assert left_open == [], [t["name"] for t in left_open]
     survivors = [h for h in _live_cpu_hosts(c) if (c.cache(h) / RUN / "responses").is_dir()]
     assert survivors and victim not in survivors, "the rerun ran on a surviving host, from the store"
     assert (c.cache("gpu") / RUN / "hidden_states").is_dir(), "extraction ran on the GPU host"

@@ -1,0 +1,92 @@
+"""Task runs left "Running" under a flow run that crashed, closed when the next eagle3 run starts.
+
+A host killed mid-run cannot report anything: the heartbeat automation (deployments/automations.yaml) marks its
+flow run Crashed, but Prefect 3.9 closes the child task runs only of a *cancelled* flow run
+(`server/services/cancellation_cleanup.py`), so the UI kept showing the dead run's generate task as Running, its
+progress card half full, forever. The next run of any eagle3 deployment (the user pressing Run again, or the
+nightly schedule) marks those task runs Crashed, saying which flow run died, before it does anything else.
+The work is O(crashed runs x parts), never per sample, and a failure here is a warning: it must not stop a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.sorting import FlowRunSort
+from prefect.logging import get_logger
+from prefect.states import Crashed
+
+RUN_TAG = "eagle3"
+"""The tag every eagle3 deployment gives its runs (prefect.yaml), which deployments/automations.yaml matches."""
+
+RECENT_CRASHED_RUNS = 50
+"""Crashed runs looked at per start, newest first: older ones were closed by the runs in between."""
+
+OPEN_STATES = [StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED, StateType.PAUSED]
+
+
+def close_crashed_leftovers(flow: Any, flow_run: Any, state: Any) -> None:
+    """Prefect `on_running` hook of every eagle3 flow; see the module docstring. Never raises."""
+    logger = get_logger("eagle3.crashed_leftovers")
+    try:
+        closed = close_task_runs_of_crashed_flow_runs()
+    except Exception as exc:  # the hook must never stop the run it starts
+        logger.warning("task runs of crashed flow runs not closed: %s: %s", type(exc).__name__, exc)
+        return
+    if closed:
+        logger.info("closed %d task runs left Running by crashed flow runs: %s", len(closed), ", ".join(closed))
+
+
+def close_task_runs_of_crashed_flow_runs() -> list[str]:
+    """Mark Crashed every open task run of the newest crashed eagle3 flow runs; returns their names."""
+    closed: list[str] = []
+    with get_client(sync_client=True) as client:
+        crashed = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED])),
+                tags=FlowRunFilterTags(all_=[RUN_TAG]),
+            ),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=RECENT_CRASHED_RUNS,
+        )
+        if not crashed:
+            return closed
+        names: dict[Any, str] = {run.id: run.name for run in crashed}
+        seen: set[Any] = set()
+        while True:
+            task_runs = [
+                t
+                for t in client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))),
+                    task_run_filter=TaskRunFilter(
+                        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=OPEN_STATES))
+                    ),
+                    limit=200,
+                )
+                if t.id not in seen
+            ]
+            if not task_runs:
+                return closed
+            for task_run in task_runs:
+                seen.add(task_run.id)
+                client.set_task_run_state(
+                    task_run.id,
+                    Crashed(
+                        message=f"its flow run {names.get(task_run.flow_run_id, task_run.flow_run_id)} crashed (no "
+                        "heartbeat: its host died); rerunning resumes from what that run had finished"
+                    ),
+                    force=True,
+                )
+                closed.append(task_run.name)

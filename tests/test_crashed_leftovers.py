@@ -1,0 +1,47 @@
+"""A crashed eagle3 flow run's open task runs are closed when the next eagle3 flow starts (flows/crashed_leftovers.py):
+Prefect closes a cancelled run's task runs itself, never a crashed one's, so the UI showed a dead host's task as
+Running forever."""
+
+from __future__ import annotations
+
+import pytest
+from prefect import flow, task
+from prefect.client.orchestration import get_client
+from prefect.states import Crashed, Running
+
+from flows.pipeline import FLOW_OPTIONS
+
+
+@task
+def stage_part() -> None:
+    """Stands for any stage's task: only its name and state are used."""
+
+
+@flow(name="eagle3-leftovers-probe", **FLOW_OPTIONS)
+def next_run() -> None:
+    """Any eagle3 flow: the hook is in FLOW_OPTIONS, which every pipeline and stage flow uses."""
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_next_run_closes_the_task_runs_a_crashed_run_left_running() -> None:
+    with get_client(sync_client=True) as client:
+
+        def flow_run_with_a_running_task(tags: list[str], crash: bool) -> tuple[str, object]:
+            run = client.create_flow_run(next_run, tags=tags, state=Running())
+            task_run = client.create_task_run(stage_part, flow_run_id=run.id, dynamic_key=str(run.id), state=Running())
+            if crash:
+                client.set_flow_run_state(run.id, Crashed(message="no heartbeat for 90 s"), force=True)
+            return run.name, task_run.id
+
+        dead_name, dead_task = flow_run_with_a_running_task(["eagle3"], crash=True)
+        _, alive_task = flow_run_with_a_running_task(["eagle3"], crash=False)
+        _, foreign_task = flow_run_with_a_running_task(["someone-else"], crash=True)
+
+        next_run()
+
+        dead = client.read_task_run(dead_task).state
+        assert dead is not None and dead.type.value == "CRASHED", dead
+        assert dead.message is not None and dead_name in dead.message and "crashed" in dead.message
+        for other in (alive_task, foreign_task):  # a live run, and a crashed run that is not this tool's
+            state = client.read_task_run(other).state
+            assert state is not None and state.type.value == "RUNNING", state
