@@ -241,3 +241,49 @@ def test_qwen3_template_derives_the_qwen3_preset(qwen3_tokenizer: PreTrainedToke
 def test_tiktoken_table_with_a_gap_is_refused() -> None:
     with pytest.raises(ConfigError, match="without gaps"):
         tokenizer_from_tiktoken(QWEN_TIKTOKEN, {"<|endoftext|>": 151643, "<|im_end|>": 151645}, QWEN_PATTERN)
+
+
+def test_newlines_the_model_wrote_beyond_the_layouts_own_are_kept(qwen3_tokenizer: PreTrainedTokenizerBase) -> None:
+    """vLLM's Qwen3 parser returns reasoning and content unstripped. The layout's pad and separator are removed
+    once each: a model that wrote `foo\\n\\n</think>` (token ĊĊ) or three newlines before its answer keeps them.
+    Stripping every boundary newline gave ids one newline short that still passed (the same token count), and
+    made the model's own output_ids disagree with the text."""
+    import pyarrow as pa
+
+    from tasks.common.config import ReconstructConfig, ValidationConfig
+    from tasks.common.schemas import RESPONSES
+    from tasks.reconstruct.stage import SampleText, build_tokens_table
+    from tasks.reconstruct.tokenizer_backend import backend_for
+    from tasks.validate.checks import validate_tables
+
+    fmt = PRESETS["qwen3_thinking"]
+    emitted = {  # what the model wrote, as vLLM returns it: (reasoning, content)
+        "pad": ("\nfoo\n\n", "\n\nbar"),
+        "separator": ("\nfoo\n", "\n\n\nbar"),
+        "plain": ("\nfoo\n", "\n\nbar"),
+    }
+    written = {k: f"<think>{r}</think>{c}<|im_end|>" for k, (r, c) in emitted.items()}
+    for key, (reasoning, content) in emitted.items():
+        assert completion_text(fmt, reasoning, content) == written[key], key
+    assert completion_text(fmt, "foo", "bar") == written["plain"]  # a fully stripping API, one newline written
+
+    user: list = [{"role": "user", "content": "Say bar."}]
+    samples = [
+        SampleText(
+            k, "d", user, r, c, "stop", None, output_ids=qwen3_tokenizer.encode(written[k], add_special_tokens=False)
+        )
+        for k, (r, c) in emitted.items()
+    ]
+    tokens, stats = build_tokens_table(qwen3_tokenizer, fmt, samples, ReconstructConfig(), {})
+    assert stats["model_rows"] == 3
+    rows = [
+        {"sample_id": s.sample_id, "dataset": "d", "status": "done", "reasoning": s.reasoning, "content": s.content}
+        | {"finish_reason": "stop", "attempts": 1, "output_ids": s.output_ids}
+        for s in samples
+    ]
+    responses = pa.Table.from_pylist(rows, schema=RESPONSES)
+    table, _ = validate_tables(tokens, responses, fmt, backend_for(qwen3_tokenizer), ValidationConfig())
+    checks = {r["sample_id"]: r for r in table.to_pylist()}
+    assert {k: (v["verdict"], v["structural_issues"]) for k, v in checks.items()} == {
+        k: ("pass", []) for k in emitted
+    }, checks

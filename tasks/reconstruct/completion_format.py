@@ -231,16 +231,21 @@ def normalized_parts(fmt: CompletionFormat, reasoning: str | None, content: str 
 
     A raw-text endpoint leaves the reasoning-open tag the model emitted at the start of the reasoning; it is part
     of the layout, not of the reasoning, so it is removed here (only where the model emits it: with the tag in
-    the generation prompt, a second one is an anomaly that validation reports). Newlines at the tag boundaries
-    follow the model's own template (Qwen3 strips them inside `<think>` and before content).
+    the generation prompt, a second one is an anomaly that validation reports).
+
+    The layout's own pad and separator are removed once each, never as a character set: servers differ in what
+    they strip (vLLM's reasoning parsers return both parts unstripped, SGLang's strips the reasoning's start and
+    the whole content, many APIs strip everything), and any newline beyond the template's own is one the model
+    wrote (`foo\n\n</think>` is `ĊĊ`, not `Ċ`), so it stays. Stripping every boundary newline made such answers
+    pass with wrong ids, and made the model's exact ids disagree with the text.
     """
     reasoning, content = reasoning or "", content or ""
     if fmt.reasoning_open and not fmt.open_in_prompt and reasoning.lstrip().startswith(fmt.reasoning_open):
         reasoning = reasoning.lstrip()[len(fmt.reasoning_open) :]
     if fmt.reasoning_pad:
-        reasoning = reasoning.strip(fmt.reasoning_pad)
+        reasoning = reasoning.removeprefix(fmt.reasoning_pad).removesuffix(fmt.reasoning_pad)
     if fmt.content_separator:
-        content = content.lstrip(fmt.content_separator)
+        content = content.removeprefix(fmt.content_separator)
     return reasoning, content
 
 
