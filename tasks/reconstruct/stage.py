@@ -17,6 +17,7 @@ the others in the batch path; output rows keep prompt order either way.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from tasks.reconstruct.model_ids import model_completion, token_at
 from tasks.reconstruct.multiturn import ConversationTurn, build_multiturn_sequence
 from tasks.reconstruct.repair import RepairTable, learn_from_run
 from tasks.reconstruct.special_tokens import verify_special_tokens
+from tasks.reconstruct.template_clock import send_times, template_prints_date, with_clock
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt, tokenizer_hash, tokenizer_provenance
 
@@ -57,6 +59,7 @@ RESPONSE_COLUMNS = [
     "history",
     "output_ids",
     "completion_tokens",
+    "generation_id",
 ]
 TOKEN_STATS = (
     "rows",
@@ -93,6 +96,9 @@ class SampleText:
     history: list[ConversationTurn] | None = None
     output_ids: list[int] | None = None
     billed_completion_tokens: int | None = None
+    generation_id: str | None = None
+    sent_at_s: float | None = None
+    """When the request was sent, for a template that prints the date (`template_clock`); None: not needed."""
 
     @property
     def truncated(self) -> bool:
@@ -244,7 +250,9 @@ def _final_turn_rows(
 ) -> tuple[pa.Table, dict[str, int]]:
     backend = backend_for(tokenizer)
     sample_ids = [s.sample_id for s in samples]
-    prompts = [render_prompt(tokenizer, prompt_messages(s.messages), template_kwargs) for s in samples]
+    prompts = [
+        render_prompt(tokenizer, prompt_messages(s.messages), with_clock(template_kwargs, s.sent_at_s)) for s in samples
+    ]
     layouts = _layouts(fmt, samples)
     encoded = [without_cut_character(fmt, lay) for lay in layouts]
     texts = [lay.text for lay in encoded]
@@ -252,6 +260,9 @@ def _final_turn_rows(
     completion_ids, at = encode_completions(backend, fmt, encoded)
     backend.spot_check(prompts, sample_ids, prompt_ids)
     backend.spot_check(texts, sample_ids, completion_ids)
+    for i, s in enumerate(samples):
+        if s.sent_at_s is not None and s.prompt_ids is not None:  # a dated template, sent as ids: those are the prompt
+            prompt_ids[i] = list(s.prompt_ids)
     sources = ["reencoded"] * len(samples)
     eot = backend.token_to_id(fmt.end_of_turn)
     if rcfg.token_ids == "model" and eot is not None:
@@ -323,7 +334,7 @@ def _multiturn_rows(
                 loss_on_reasoning=rcfg.loss_on_reasoning,
                 loss_on_end_of_turn=rcfg.loss_on_end_of_turn,
                 truncated=s.truncated,
-                template_kwargs=template_kwargs,
+                template_kwargs=with_clock(template_kwargs, s.sent_at_s),
                 output_ids=s.output_ids if rcfg.token_ids == "model" else None,
             )
         except ValueError as exc:
@@ -438,6 +449,7 @@ def pair_samples(prompts: pa.Table, responses: pa.Table) -> tuple[list[SampleTex
             history=None if history is None else _history(sid, history, conversation),
             output_ids=output_ids[row].as_py() if has_output_ids[row] else None,
             billed_completion_tokens=cols["completion_tokens"][row],
+            generation_id=cols["generation_id"][row],
         )
     return [chosen[i] for i in sorted(chosen)], not_done
 
@@ -459,6 +471,10 @@ def tokens_recipe(cfg: PipelineConfig, fmt: CompletionFormat, repair: RepairTabl
     }
     if repair is not None:
         recipe["repair_rules"] = repair.digest()
+    if fmt.reasoning_pad or fmt.content_separator:  # rows built before these were removed once each (not stripped)
+        recipe["boundary_whitespace"] = "layout_once"
+    if template_prints_date(cfg.tokenizer.path):  # rows built before dated prompts were rendered at the send time
+        recipe["prompt_date"] = "request_sent_utc"
     return recipe
 
 
@@ -485,6 +501,10 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
     prompts = read_part(out.with_stage("prompts"), columns=["sample_id", "messages"])
     responses = read_part(out.with_stage("responses"), columns=RESPONSE_COLUMNS)
     samples, not_done = pair_samples(prompts, responses)
+    if template_prints_date(cfg.tokenizer.path):
+        finished = float(read_marker(out.with_stage("responses")).get("finished_at") or 0.0)
+        sent = send_times(cfg.run_dir, samples, finished)
+        samples = [dataclasses.replace(s, sent_at_s=sent[s.sample_id]) for s in samples]
     table, counts = build_tokens_table(tokenizer, fmt, samples, cfg.reconstruct, kwargs, repair)
     stats: dict[str, Any] = {**counts, "responses_not_done": not_done, "completion_format": fmt.name}
     provenance = {
