@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,23 +52,40 @@ def clock_at(at_s: float) -> dict[str, Callable[[str], str]]:
 
 def send_times(run_dir: Path, samples: Sequence[_Sample], part_finished_s: float) -> dict[str, float]:
     """sample_id -> when the request behind its stored answer was sent (see the module docstring)."""
-    from tasks.generate.ledger import SpendLedger
-
-    wanted = {s.sample_id for s in samples}
-    by_generation: dict[str, float] = {}
-    last_answered: dict[str, float] = {}
-    for attempt in SpendLedger.load(run_dir).attempts.values():
-        if attempt.sample_id not in wanted or attempt.sent_at is None or attempt.state == "unsent":
-            continue
-        if attempt.generation_id:
-            by_generation[attempt.generation_id] = attempt.sent_at
-        if attempt.state in ("answered", "settled"):
-            last_answered[attempt.sample_id] = max(attempt.sent_at, last_answered.get(attempt.sample_id, 0.0))
+    by_generation, last_answered = _send_index(run_dir, _ledger_signature(run_dir))
     out = {}
     for s in samples:
         found = by_generation.get(s.generation_id or "") or last_answered.get(s.sample_id)
         out[s.sample_id] = found if found is not None else part_finished_s
     return out
+
+
+def _ledger_signature(run_dir: Path) -> tuple[tuple[str, int, int], ...]:
+    from tasks.generate.ledger import ledger_dir
+
+    folder = ledger_dir(run_dir)
+    paths = sorted(folder.glob("ledger-*.log")) if folder.is_dir() else []
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in paths)
+
+
+@lru_cache(maxsize=2)
+def _send_index(
+    run_dir: Path, signature: tuple[tuple[str, int, int], ...]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Send times by generation id and each sample's last answered attempt, read once per ledger state (every
+    part of a run asks; `signature` changes when a segment does)."""
+    from tasks.generate.ledger import SpendLedger
+
+    by_generation: dict[str, float] = {}
+    last_answered: dict[str, float] = {}
+    for attempt in SpendLedger.load(run_dir).attempts.values():
+        if attempt.sent_at is None or attempt.state == "unsent":
+            continue
+        if attempt.generation_id:
+            by_generation[attempt.generation_id] = attempt.sent_at
+        if attempt.state in ("answered", "settled"):
+            last_answered[attempt.sample_id] = max(attempt.sent_at, last_answered.get(attempt.sample_id, 0.0))
+    return by_generation, last_answered
 
 
 def with_clock(template_kwargs: Mapping[str, Any] | None, at_s: float | None) -> dict[str, Any]:
