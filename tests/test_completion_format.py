@@ -287,3 +287,44 @@ def test_newlines_the_model_wrote_beyond_the_layouts_own_are_kept(qwen3_tokenize
     assert {k: (v["verdict"], v["structural_issues"]) for k, v in checks.items()} == {
         k: ("pass", []) for k in emitted
     }, checks
+
+
+# R1-Distill's shape (written here, not copied): the generation prompt opens the reasoning, `<｜Assistant｜><think>\n`,
+# and earlier answers are rendered after their `</think>` only, so the template shows neither reasoning nor tags.
+OPENS_AND_HIDES_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' -%}{{- '<｜User｜>' + message.content -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- '<｜Assistant｜>' + message.content.split('</think>')[-1] + '<｜end▁of▁sentence｜>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜><think>\\n' -}}{%- endif -%}"
+)
+
+
+def test_a_template_that_opens_reasoning_in_the_prompt_and_hides_it_takes_a_written_format(
+    tmp_path: Path,
+) -> None:
+    """`auto` cannot read the separator such a template never shows, so it refuses, naming the way out; a
+    written-out format is then checked on what the template shows (end of turn, the open tag in the prompt),
+    where it used to be refused with the same line as `auto`."""
+    from tasks.common.config import CompletionFormatSpec
+
+    tok = tokenizer_with_template(tmp_path / "r1-distill", OPENS_AND_HIDES_TEMPLATE)
+    with pytest.raises(ConfigError, match="write the format out"):
+        resolve_format("auto", tok)
+    r1: dict[str, object] = {
+        "name": "r1_distill",
+        "reasoning_open": "<think>",
+        "reasoning_close": "</think>",
+        "open_in_prompt": True,
+        "reasoning_pad": "\n",
+        "content_separator": "\n\n",
+        "end_of_turn": EOS,
+    }
+    fmt = resolve_format(CompletionFormatSpec.model_validate(r1), tok)
+    assert completion_text(fmt, "Two and two.", "4") == f"Two and two.\n</think>\n\n4{EOS}"
+    for wrong, field in (({"end_of_turn": "<|EOT|>"}, "end_of_turn"), ({"open_in_prompt": False}, "open_in_prompt")):
+        with pytest.raises(ConfigError, match=field):
+            resolve_format(CompletionFormatSpec.model_validate({**r1, **wrong}), tok)

@@ -554,7 +554,9 @@ def _from_hidden_reasoning(r: _Renders) -> tuple[CompletionFormat, frozenset[str
             return fmt, unseen
     raise ConfigError(
         f"chat template: the generation prompt {r.header!r} and the rendered turn {r.turns[0]!r} disagree "
-        f"in a way no supported reasoning layout explains"
+        f"in a way no supported reasoning layout explains; if the model writes reasoning the template hides from "
+        f"earlier turns (R1-Distill opens `<think>` in the generation prompt), write the format out as "
+        f"tokenizer.completion_format (README: 'write the format out')"
     )
 
 
@@ -685,15 +687,25 @@ def check_format(
     if isinstance(name, str) and name != "auto" and name not in PRESETS:
         raise ConfigError(f"unknown completion_format {name!r}; choose 'auto' or one of {sorted(PRESETS)}")
     kwargs = dict(template_kwargs or {})
-    derived, seen, visible = _derive(tokenizer, kwargs)
+    partial = False
+    try:
+        derived, seen, visible = _derive(tokenizer, kwargs)
+    except ConfigError:
+        if name == "auto":
+            raise
+        # A layout derivation cannot read (R1-Distill: `<think>\n` opens the reasoning in the generation prompt and
+        # earlier turns show neither reasoning nor tags): a given format is checked on what the template shows.
+        derived, seen, visible, partial = (
+            _no_reasoning(_sentinel_renders(tokenizer, kwargs).end_of_turn),
+            COMPARED_FIELDS,
+            False,
+            True,
+        )
     extra: dict[str, tuple[Any, Any]] = {}
-    preset: CompletionFormat | None
-    if isinstance(name, CompletionFormatSpec):
-        preset = written = written_format(name, tokenizer)
+    preset = written_format(name, tokenizer) if isinstance(name, CompletionFormatSpec) else PRESETS.get(name)
+    if preset is not None and (partial or isinstance(name, CompletionFormatSpec)):
         header = _sentinel_renders(tokenizer, kwargs).header
-        seen, extra = _shown_to_a_written_format(written, derived, seen, visible, header)
-    else:
-        preset = PRESETS.get(name)
+        seen, extra = _shown_to_a_written_format(preset, derived, seen, visible, header)
     diff = {**format_differences(preset, derived, seen), **extra} if preset else {}
     if preset and not _pins_hold(preset, tokenizer):
         ids = {s: i for i, s in added_tokens(tokenizer).items()}
