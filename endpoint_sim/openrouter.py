@@ -90,8 +90,20 @@ def usage(cfg: SimConfig, prompt_tokens: int, answer: ChatAnswer) -> dict[str, A
         "completion_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
     }
     if cfg.report_cost:
-        out["cost"] = cost_usd(cfg, prompt_tokens, answer.completion_tokens)
+        price = cost_usd(cfg, prompt_tokens, answer.completion_tokens)
+        if cfg.byok_fee_fraction is None:
+            out["cost"] = price
+        else:  # the user's own provider key: OpenRouter charges its fee, the provider bills the inference
+            out["cost"] = price * cfg.byok_fee_fraction
+            out["is_byok"] = True
+            out["cost_details"] = {"upstream_inference_cost": price}
     return out
+
+
+def spent_usd(cfg: SimConfig, prompt_tokens: int, completion_tokens: int) -> float:
+    """What one generation cost its user: the price, plus OpenRouter's fee on a BYOK request."""
+    price = cost_usd(cfg, prompt_tokens, completion_tokens)
+    return price if cfg.byok_fee_fraction is None else price * (1.0 + cfg.byok_fee_fraction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +140,7 @@ def token_pieces(responder: Responder, sample: SimSample, ids: tuple[int, ...], 
 
 
 def completion_body(
-    meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any], pieces: list[TokenPiece] | None = None
+    meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any] | None, pieces: list[TokenPiece] | None = None
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
@@ -145,7 +157,7 @@ def completion_body(
         "object": "chat.completion",
         "created": meta.created,
         "choices": [choice],
-        "usage": usage_,
+        **({"usage": usage_} if usage_ is not None else {}),
     }
 
 
@@ -189,6 +201,10 @@ class StreamFrames:
     def without_done(self) -> list[str]:
         """The whole answer, its finish and usage chunks, and no `[DONE]`."""
         return self.frames(self.deltas, [self.finish, *([self.usage] if self.usage is not None else [])])
+
+    def without_usage(self) -> list[str]:
+        """The whole answer and its finish chunk; the connection goes before the usage chunk and `[DONE]`."""
+        return self.frames(self.deltas, [self.finish])
 
     def midstream_error(self) -> list[str]:
         error = self.prefix + '"error":' + _dumps(MIDSTREAM_ERROR)

@@ -44,9 +44,9 @@ from endpoint_sim.openrouter import (
     StreamFrames,
     chat_answer,
     completion_body,
-    cost_usd,
     empty_answer,
     partial_answer,
+    spent_usd,
     stream_frames,
     token_pieces,
     usage,
@@ -73,7 +73,7 @@ KEY_LABEL = "sk-or-v1-sim...key"
 # Failure kinds that replace the whole response; the others change the answer inside a 200.
 _RESPONSE_KINDS = frozenset({"http", "context_length", "error_body", "invalid_json", "echo_key", "reset", "disconnect"})
 # Generation failed partway: half the content is billed; a stream shows the full answer's first half, then an error.
-_PARTIAL_KINDS = frozenset({"finish_error", "midstream_error", "late_error_body"})
+_PARTIAL_KINDS = frozenset({"finish_error", "finish_error_no_usage", "midstream_error", "late_error_body"})
 _ERROR_CHUNK_KINDS = frozenset({"midstream_error", "late_error_body"})
 
 
@@ -341,7 +341,7 @@ def _record(
     bill = Bill(
         id=meta.id,
         key=admitted.key,
-        cost_usd=cost_usd(state.config, prompt_tokens, billed.completion_tokens),
+        cost_usd=spent_usd(state.config, prompt_tokens, billed.completion_tokens),
         billed_at=time.monotonic(),
         prompt_tokens=prompt_tokens,
         completion_tokens=billed.completion_tokens,
@@ -387,6 +387,22 @@ def _bill_cut(
         tokens = int(billed.completion_tokens * min(max(fraction, 0.0), 1.0))
         cut = replace(billed, completion_tokens=tokens, reasoning_tokens=min(tokens, billed.reasoning_tokens))
         _record(state, admitted, meta, prompt_tokens, replace(cut, finish="cancelled"), streamed, cut=True)
+    else:  # not billed; the generation record says so: nothing charged, no token counted, cancelled
+        free = Bill(
+            meta.id,
+            admitted.key,
+            0.0,
+            time.monotonic(),
+            0,
+            0,
+            0,
+            meta.provider,
+            meta.model,
+            "cancelled",
+            streamed,
+            True,
+        )
+        state.generations.add(replace(_generation(free, admitted.latency_s, 0.0), cancelled=True))
 
 
 async def _generating(
@@ -477,9 +493,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     shown = full if stream and kind in _ERROR_CHUNK_KINDS else billed
     gen_id = f"gen-{admitted.attempt}-{admitted.key}"
     meta = ChatMeta(gen_id, admitted.sample.provider, cfg.model_name, int(time.time()))
-    usage_ = usage(cfg, len(prompt_ids), billed)
+    usage_ = None if kind == "finish_error_no_usage" else usage(cfg, len(prompt_ids), billed)
     # Per-token logprobs with bytes (OpenAI's shape) for a whole answer; a broken one carries none.
-    whole = kind in (None, "hang", "reset_before_done")
+    whole = kind in (None, "hang", "reset_before_done", "cut_after_finish")
     pieces = (
         token_pieces(responder, admitted.sample, admitted.ids, admitted.finish) if want_logprobs and whole else None
     )
@@ -540,6 +556,8 @@ async def _stream(
         frames = source.first_half()
     elif kind == "reset_before_done":
         frames = source.without_done()
+    elif kind == "cut_after_finish":
+        frames = source.without_usage()
     else:
         frames = source.complete()
     headers = {**SSE_HEADERS, GENERATION_ID_HEADER: meta.id} if state.config.generation_id_header else SSE_HEADERS
@@ -576,7 +594,7 @@ async def _stream(
         await response.write("".join(frames).encode())
     except ConnectionResetError:  # billed above: the answer was generated, the client left before reading it
         return response
-    if kind in ("midstream_reset", "reset_before_done"):
+    if kind in ("midstream_reset", "reset_before_done", "cut_after_finish"):
         _abort(request, rst=True)
         return response
     await response.write_eof()
@@ -691,7 +709,10 @@ async def generation_lookup(request: web.Request) -> web.Response:
     elif (found := state.generations.visible(gen_id, state.config.generation_lookup_delay_s)) is not None:
         settling = state.config.generation_lookup_delay_s + state.config.generation_unsettled_s
         settled = state.generations.visible(gen_id, settling) is not None
-        status, body = 200, {"data": found.data(state.config.generation_cost_factor, settled)}
+        status, body = (
+            200,
+            {"data": found.data(state.config.generation_cost_factor, settled, state.config.byok_fee_fraction)},
+        )
     else:
         status, body = 404, _error(404, "Generation not found")
     state.lookups[str(status)] += 1

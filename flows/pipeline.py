@@ -50,6 +50,7 @@ from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
 from tasks.reconstruct.stage import reconstruct_part, repair_table
+from tasks.reconstruct.template_clock import template_prints_date
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 from tasks.scoring import check_parity_gate, provider_rows, publish_score_report
 from tasks.status.plan import (
@@ -282,6 +283,14 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     return stats
 
 
+def pull_send_times(cfg: PipelineConfig, store: RunStore | None) -> None:
+    """Every host's spend ledger, where the chat template prints the date: its prompts are rendered at the time
+    each request was sent (`template_clock`), which a host that never ran generate otherwise does not have (it
+    fell back to the part's finish time, a day late for an answer bought just before midnight)."""
+    if store is not None and template_prints_date(cfg.tokenizer.path):
+        LogMirror(store, cfg.endpoint.commit_every_s).pull()
+
+
 def stage_cpu(
     cfg: PipelineConfig, store: RunStore | None, parts: list[int], run: RunParameters | None = None
 ) -> dict[str, Any]:
@@ -289,6 +298,7 @@ def stage_cpu(
     when every tokens and validation part is current."""
     out: dict[str, Any]
     fmt = _format(cfg)
+    pull_send_times(cfg, store)
     built = _done(cfg, "responses", parts), _done(cfg, "tokens", parts)
     if not tokens_todo(cfg, fmt, built[0]) and not validation_todo(cfg, fmt, built[1]):
         out = {"reconstruct": _reused(cfg, "tokens", built[0]), "validate": _reused(cfg, "validation", built[1])}

@@ -325,6 +325,31 @@ def test_a_template_that_opens_reasoning_in_the_prompt_and_hides_it_takes_a_writ
     }
     fmt = resolve_format(CompletionFormatSpec.model_validate(r1), tok)
     assert completion_text(fmt, "Two and two.", "4") == f"Two and two.\n</think>\n\n4{EOS}"
-    for wrong, field in (({"end_of_turn": "<|EOT|>"}, "end_of_turn"), ({"open_in_prompt": False}, "open_in_prompt")):
+    wrongs = (
+        ({"end_of_turn": "<|EOT|>"}, "end_of_turn"),
+        ({"open_in_prompt": False}, "open_in_prompt"),
+        ({"reasoning_pad": ""}, "reasoning_pad"),  # the prompt shows `<think>\n`: DeepSeek-V3.1's layout has no pad
+    )
+    with pytest.raises(ConfigError, match="reasoning_pad"):
+        resolve_format("deepseek_v31_thinking", tok)
+    for wrong, field in wrongs:
         with pytest.raises(ConfigError, match=field):
             resolve_format(CompletionFormatSpec.model_validate({**r1, **wrong}), tok)
+
+
+def test_an_answer_cut_inside_its_reasoning_keeps_the_newline_it_ends_in() -> None:
+    """Cut before `</think>`, the model never wrote the pad that precedes the tag: a trailing newline is its own
+    text (vLLM returns `\\nfoo bar\\n\\n` for `<think>\\nfoo bar\\n\\n`); a finished answer's last one is the
+    pad."""
+    qwen = PRESETS["qwen3_thinking"]
+    assert completion_layout(qwen, "\nfoo bar\n\n", None, truncated=True).text == "<think>\nfoo bar\n\n"
+    assert completion_layout(qwen, "foo bar", None, truncated=True).text == "<think>\nfoo bar"
+    assert completion_text(qwen, "\nfoo bar\n\n", "x") == "<think>\nfoo bar\n\n</think>\n\nx<|im_end|>"
+
+
+def test_an_open_tag_that_starts_with_a_newline_is_found_in_raw_text() -> None:
+    """GLM-4.5's derived open tag is `\\n<think>`; a raw-text endpoint's reasoning starts with it, so the tag was
+    looked for after stripping the newline it begins with, never found, and written twice into every row."""
+    glm = CompletionFormat("derived", "\n<think>", False, "</think>", "<|user|>", content_separator="\n")
+    assert completion_text(glm, "\n<think>foo", "bar") == "\n<think>foo</think>\nbar<|user|>"
+    assert completion_text(glm, "foo", "bar") == "\n<think>foo</think>\nbar<|user|>"

@@ -199,3 +199,117 @@ def test_answers_reconciliation_could_not_look_up_are_announced(
     assert SpendLedger.load(tmp_path).totals().counted_usd == pytest.approx(provider, abs=1e-12)
     notices = [e.message for e in events if e.kind == "unreconciled"]
     assert len(notices) == 1 and notices[0].startswith(f"{PROMPTS} answers are recorded at their own usage.cost")
+
+
+@pytest.mark.parametrize("mode", ["chat", "stream"])
+def test_an_aborted_generation_without_usage_is_counted_at_its_bill(
+    mode: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """finish_reason "error" and no usage at all: the provider still billed what it generated. Booked at $0 (the
+    attempt "answered"), a quarter of the bill went unrecorded and nothing could settle it; it is pending until
+    its generation record says what it cost."""
+    sim_cfg = SimConfig(seed=12, failures=(FailureRule(kind="finish_error_no_usage", rate=1.0, attempts=1),))
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, mode)
+    assert summary["done"] == PROMPTS and summary["retries_by_reason"] == {"finish_error": PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0 and dict(totals.settled_by) == {"generation": PROMPTS}
+    assert totals.billed_usd == pytest.approx(provider, abs=1e-12)
+
+
+def test_a_stream_cut_before_its_usage_chunk_keeps_the_answer_and_settles_its_bill(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """The finish chunk arrived, then the connection went before the usage chunk: the answer is whole. It used to
+    be thrown away and bought again (+65% spend in the probe); it is kept, and its cost settled from the record."""
+    sim_cfg = SimConfig(seed=13, failures=(FailureRule(kind="cut_after_finish", rate=1.0, attempts=1),))
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "stream")
+    rows = responses(tmp_path).values()
+    assert summary["done"] == PROMPTS and not summary["retries_by_reason"]
+    assert all(r["attempts"] == 1 and r["finish_reason"] == "stop" and r["content"] for r in rows)
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.attempts == PROMPTS and totals.pending_attempts == 0
+    assert totals.billed_usd == pytest.approx(provider, abs=1e-12)
+
+
+@pytest.mark.parametrize("reconcile", [False, True])
+def test_a_byok_answer_counts_what_the_provider_billed_beside_the_fee(
+    reconcile: bool, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """On the user's own provider key, usage.cost is OpenRouter's fee alone; the inference was billed by the
+    provider (`upstream_inference_cost`). Both were spent: recorded as $0.00 (a 5% fee of nothing), a BYOK run
+    went to 3x its cap unseen."""
+    sim_cfg = SimConfig(seed=14, byok_fee_fraction=0.05)
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "chat", reconcile_cost=reconcile)
+    assert summary["done"] == PROMPTS and provider > 0
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.billed_usd == pytest.approx(provider, abs=1e-12)
+    fees = sum(r["cost_usd"] for r in responses(tmp_path).values())
+    assert fees == pytest.approx(provider, abs=1e-12), "the row's cost is the fee and the provider's price"
+
+
+def test_a_generation_record_of_a_request_cancelled_before_its_first_token_settles_at_zero(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A request cut before generation began gets a record that costs nothing, counts no token and says
+    `cancelled`: a real $0. Looked up again as "still being written", it left the attempt pending at its worst
+    case forever (2.8x the bill counted against the cap in the probe)."""
+    import asyncio
+
+    from tasks.generate.client import EndpointClient
+    from tasks.generate.endpoints import CompletionMarkers
+    from tests.test_generate_failures import EOS
+
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=15, bill_cancelled=False, latency_s=5.0)) as sim:
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=64))
+
+        async def cut_then_look_up() -> float | None:
+            async with EndpointClient(cfg, CompletionMarkers("</think>", EOS), None) as client:
+                task = asyncio.create_task(client.generate(question("cancel", 0)))
+                await asyncio.sleep(0.5)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await asyncio.sleep(0.3)
+                (key,) = sim.stats()["by_key"]
+                return await client.lookup_cost(f"gen-1-{key}", (0.05,))
+
+        assert asyncio.run(cut_then_look_up()) == 0.0
+        assert sim.billing()["total_usd"] == 0
+
+
+def test_an_id_less_error_body_is_pending_until_the_account_settles_it(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """OpenRouter answers 200 only once the model started, so a 200 whose body is an error may be billed even
+    when nothing names its generation (a proxy that drops `X-Generation-Id`): pending at worst case, not $0 (a
+    fifth of the probe's bill went unrecorded and the spend passed the cap). The key's account settles it."""
+    sim_cfg = SimConfig(seed=16, failures=(FailureRule(kind="error_body", rate=1.0, attempts=1),))
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "chat")
+    assert summary["done"] == PROMPTS and summary["retries_by_reason"] == {"error_body": PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == PROMPTS and totals.billed_usd == pytest.approx(provider, abs=1e-12)
+
+    settled = tmp_path / "exclusive"
+    settled.mkdir()
+    summary, provider = _run(settled, tokenizer_dir, sim_cfg, "chat", account_settlement="exclusive_key")
+    totals = SpendLedger.load(settled).totals()
+    assert summary["done"] == PROMPTS and totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-9)
+
+
+def test_the_budget_settles_pending_attempts_before_it_stops_the_run(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Streams cut by an error chunk are pending at their worst case (here 512 completion tokens) until their
+    records settle them, which happened only when a run started and ended: the cap stopped the run after a few
+    samples at a ninth of what it allowed. Before stopping, the budget now settles them and goes on."""
+    from tests.test_generate_failures import PRICE_COMPLETION, PRICE_PROMPT
+
+    prompts = 12
+    write_prompts(tmp_path, [question("reclaim", i) for i in range(prompts)])
+    worst = (60 * PRICE_PROMPT + 512 * PRICE_COMPLETION) / 1e6
+    sim_cfg = SimConfig(seed=17, failures=(FailureRule(kind="midstream_error", rate=1.0, attempts=1),))
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        settings: dict[str, object] = {"max_cost_usd": 8 * worst, "max_in_flight": 2}
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", SamplingConfig(max_tokens=512), **settings)
+        summary = run(cfg, None).total()  # type: ignore[arg-type]
+        provider = float(sim.billing()["total_usd"])
+    assert provider < 8 * worst < prompts * worst, "the bill fits the cap; the cut streams' worst cases do not"
+    assert summary["done"] == prompts and summary["stopped"] is None, summary
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0 and totals.counted_usd == pytest.approx(provider, abs=1e-12)

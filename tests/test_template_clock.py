@@ -13,7 +13,7 @@ from tasks.common.messages import Message
 from tasks.common.shards import PartRef, read_marker, read_part
 from tasks.generate.ledger import LedgerWriter
 from tasks.reconstruct.completion_format import PRESETS
-from tasks.reconstruct.stage import reconstruct_part, tokens_recipe
+from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.template_clock import template_prints_date
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
 from tests.fixtures.families import shared_dir
@@ -64,4 +64,25 @@ def test_a_dated_template_is_rendered_at_the_requests_send_time(
     assert f"Current date: {datetime.fromtimestamp(finished, tz=UTC):%Y-%m-%d}\n" in prompt(1)
     row = tokens[sid_of(convs[2])]
     assert row["input_ids"][: row["prompt_len"]] == sent_ids
-    assert tokens_recipe(cfg, HARMONY)["prompt_date"] == "request_sent_utc"  # older tokens parts are rebuilt
+
+
+def test_a_host_that_never_ran_generate_pulls_the_send_times_first(tmp_path: Path) -> None:
+    """Reconstruct on another host (the validate deployment, a rerun elsewhere) had no ledger and rendered the
+    date of the responses part's finish time instead; the CPU stages now pull every host's ledger first."""
+    from flows.pipeline import pull_send_times
+    from tasks.common.artifact_store import RunStore
+    from tasks.generate.ledger import SpendLedger
+    from tasks.generate.store_sync import LogMirror
+
+    store_url = f"file://{tmp_path / 'bucket'}"
+    generating = RunStore(store_url, tmp_path / "a" / "run")
+    writer = LedgerWriter(generating.local_run_dir, group_commit_s=0.0)
+    uid = writer.sent("s1", "demo", 0, 0.01)
+    writer.ended(uid, "answered", 0.001, "gen-1", None)
+    writer.close()
+    LogMirror(generating, every_s=60).push()
+
+    other = RunStore(store_url, tmp_path / "b" / "run")
+    cfg = make_cfg(other.local_run_dir, shared_dir("gpt_oss"))
+    pull_send_times(cfg, other)
+    assert SpendLedger.load(other.local_run_dir).attempts[uid].generation_id == "gen-1"

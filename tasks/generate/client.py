@@ -32,7 +32,7 @@ import random
 import resource
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from functools import partial
@@ -120,24 +120,23 @@ class RetryableError(Exception):
 def _error_body_bill(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[float | None, str | None]:
     """(billed, generation id) of an HTTP 200 whose body is an error. OpenRouter answers 200 only once the model
     has started producing output, so the generation may be billed: its usage.cost when the body has one, else
-    unknown (pending at worst case until its generation record settles it). Without a generation id there is
-    no record to settle from and no sign generation began: nothing billed."""
+    unknown, pending at worst case until its generation record (or, without an id, the key's account under
+    `exclusive_key`) settles it. Booking an id-less one at $0 (a proxy that drops `X-Generation-Id`) left a
+    fifth of what the provider billed unrecorded and let the spend pass the cap."""
     body_id = body.get("id") if isinstance(body.get("id"), str) else None
     generation_id = headers.get(GENERATION_ID_HEADER) or body_id
-    reported = reported_cost(body.get("usage"))
-    if reported is not None:
-        return reported, generation_id
-    return (None if generation_id else 0.0), generation_id
+    return reported_cost(body.get("usage")), generation_id
 
 
 def _whole_before_done(stream: StreamAssembler) -> bool:
-    """A stream cut after its finish_reason and usage chunks but before `[DONE]` (a proxy's idle timeout, a
-    reset on close) holds the whole answer and its bill: buying it again would pay twice for it."""
+    """A stream cut after its finish_reason chunk but before `[DONE]` (a proxy's idle timeout, a reset on close)
+    holds the whole answer: buying it again would pay twice for it. Its bill may have been cut off with the usage
+    chunk: the answer is then kept and its cost is pending until the generation record settles it."""
     try:
         stream.close()
     except MalformedResponseError:
         return False
-    return stream.finish_reason is not None and stream.usage is not None and stream.error is None
+    return stream.finish_reason is not None and stream.error is None
 
 
 class SampleFatalError(Exception):
@@ -313,6 +312,10 @@ class Budget:
         self.started = time.monotonic()
         self._waiters: deque[tuple[asyncio.Future[None], float]] = deque()
         self._retry_waiters: deque[tuple[asyncio.Future[None], float]] = deque()
+        self.reclaim: Callable[[], Awaitable[None]] | None = None
+        """Settles pending attempts from the provider's records (`Settler.mid_run`): tried before a stop."""
+        self._reclaiming: asyncio.Task[None] | None = None
+        self._reclaimed_at_usd = -1.0
 
     @property
     def reserved_usd(self) -> float:
@@ -386,6 +389,8 @@ class Budget:
                 self.reservations += 1
                 fut.set_result(None)
             elif self.reservations <= 0:
+                if self._reclaim_first():
+                    return
                 self.stopped = True
                 emit_event(
                     RunEvent(
@@ -404,6 +409,28 @@ class Budget:
                             waiter.set_exception(self._exhausted(need))
             else:
                 return
+
+    def _reclaim_first(self) -> bool:
+        """Whether the stop waits for a settlement pass: pending attempts count at their worst case, and those the
+        provider's records can settle were settled only when a run started and ended, so a run with cut streams
+        stopped at a ninth of its cap. One pass per growth of the counted spend; the stop comes when a pass frees
+        no room."""
+        if self._reclaiming is not None:
+            return True
+        if self.reclaim is None or self.spent_usd <= self._reclaimed_at_usd:
+            return False
+        self._reclaiming = asyncio.get_running_loop().create_task(self._reclaim_then_admit(self.reclaim))
+        return True
+
+    async def _reclaim_then_admit(self, reclaim: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await reclaim()
+        except Exception as exc:  # best-effort: without it the stop comes as it did before
+            emit_event(RunEvent("unreconciled", f"settling pending attempts before the budget stop failed: {exc}", 0.0))
+        finally:
+            self._reclaimed_at_usd = self.spent_usd
+            self._reclaiming = None
+            self._admit_waiters()
 
     def settle(self, reserved: float, billed: float) -> None:
         """`reserved`: the amount `reserve` took (config prices); `billed`: dollars spent."""
@@ -656,8 +683,9 @@ class EndpointClient:
             latency = time.perf_counter() - started
             # /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of
             # 404 retries per sample. Where it answers, it is what the ledger records: an answer without
-            # usage.cost is otherwise priced from the config's table, which is not the bill.
-            paid = result.cost_usd or 0.0
+            # usage.cost is otherwise priced from the config's table, which is not the bill. An answer with no
+            # cost at all (its usage chunk cut off after the finish chunk) is kept, its cost pending.
+            paid = result.cost_usd
             try:
                 if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
                     result.billed_cost_usd = await self.lookup_cost(result.generation_id)
@@ -665,9 +693,9 @@ class EndpointClient:
                         paid = result.billed_cost_usd
                     else:
                         self.unreconciled += 1
-            finally:  # a cancelled lookup still leaves the answer recorded as answered, at its reported cost
-                budget.settle(reserve, paid)
-                self._ended(uid, "answered", paid, result.generation_id, None, worst)
+            finally:  # a cancelled lookup still leaves the answer recorded, at its reported cost
+                budget.settle(reserve, worst if paid is None else paid)
+                self._ended(uid, "pending" if paid is None else "answered", paid, result.generation_id, None, worst)
             self._learn_prices(reserve, paid, result)
             cost += result.cost_usd or 0.0  # the row's reported cost; billed_cost_usd beside it shows any drift
             return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
@@ -773,7 +801,13 @@ class EndpointClient:
         try:
             result = parse_response(self.cfg, body, self.markers, prompt_ids, self.tokenizer)
         except MalformedResponseError as exc:
-            raise RetryableError("malformed_response", self.redact(str(exc)), billed=None) from exc
+            raise RetryableError(
+                "malformed_response",
+                self.redact(str(exc)),
+                billed=None,
+                generation_id=headers.get(GENERATION_ID_HEADER)
+                or (body.get("id") if isinstance(body.get("id"), str) else None),
+            ) from exc
         self._check_answer(result)
         self.window.on_success()
         self.successes += 1
@@ -841,22 +875,30 @@ class EndpointClient:
         return stream.body()
 
     def _check_answer(self, result: GenerationResult) -> None:
-        """Answers that parsed but cannot be training data: retried, and billed if usage says so."""
-        billed = result.cost_usd or 0.0
+        """Answers that parsed but cannot be training data: retried, at the cost their usage reports, or, without
+        one, pending at worst case until the generation record settles it (an aborted stream carries no usage
+        chunk, yet the provider bills what it generated: booked at $0 it undercounted a quarter of the bill)."""
+        billed, gid = result.cost_usd, result.generation_id
         if result.finish_reason in RETRYABLE_FINISH:
             raise RetryableError(
                 f"finish_{result.finish_reason}",
                 f"generation ended with finish_reason={result.finish_reason!r} after "
                 f"{len(result.content or '')} content chars (partial answer discarded)",
                 billed=billed,
+                generation_id=gid,
             )
         # `_blank(s)` is `not s.strip()` without copying the answer's text.
         no_reasoning = _blank(result.reasoning)
         if result.finish_reason != "length" and no_reasoning and _blank(result.content):
-            raise RetryableError("empty_response", "answer has neither content nor reasoning", billed=billed)
+            raise RetryableError(
+                "empty_response", "answer has neither content nor reasoning", billed=billed, generation_id=gid
+            )
         if self.cfg.endpoint.require_reasoning and no_reasoning:
             raise RetryableError(
-                "empty_reasoning", "answer has no reasoning (endpoint.require_reasoning)", billed=billed
+                "empty_reasoning",
+                "answer has no reasoning (endpoint.require_reasoning)",
+                billed=billed,
+                generation_id=gid,
             )
 
     def _classify_status(self, status: int, retry_after: str | None, snippet: str, url: str) -> None:
@@ -883,8 +925,10 @@ class EndpointClient:
     async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] | None = None) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
         retried after each of `delays_s`, and so is a record that costs nothing and counts no tokens (one still
-        being written: taken as final, it settled paid answers at $0 and let the cap stop nothing). A free
-        model's record counts its tokens. None when no record appears: reconciliation is best-effort."""
+        being written: taken as final, it settled paid answers at $0 and let the cap stop nothing), unless it says
+        the generation was `cancelled` (a request cut before its first token: a real $0, which left attempts
+        pending at worst case forever). A free model's record counts its tokens. None when no record appears:
+        reconciliation is best-effort."""
         if self._session is None:
             return None
         url = generation_lookup_url(self.cfg, generation_id)
@@ -901,12 +945,12 @@ class EndpointClient:
             except (TimeoutError, aiohttp.ClientError, ValueError):
                 continue
             data = body.get("data") if isinstance(body, dict) else None
-            cost = data.get("total_cost") if isinstance(data, dict) else None
-            if not isinstance(cost, int | float) or isinstance(cost, bool):
+            cost = record_cost(data) if isinstance(data, dict) else None
+            if cost is None or not isinstance(data, dict):
                 return None
-            if isinstance(data, dict) and cost == 0 and not _counts_tokens(data):
+            if cost == 0 and not _counts_tokens(data) and data.get("cancelled") is not True:
                 continue
-            return float(cost)
+            return cost
         return None
 
 
@@ -917,6 +961,18 @@ RECORD_TOKEN_FIELDS = (
     "native_tokens_completion",
     "native_tokens_reasoning",
 )
+
+
+def record_cost(record: dict[str, Any]) -> float | None:
+    """A generation record's cost to the user: `total_cost`, plus `upstream_inference_cost` for a request on the
+    user's own provider key (`is_byok`), which the provider billed beside OpenRouter's fee (`reported_cost`)."""
+    cost = record.get("total_cost")
+    if not isinstance(cost, int | float) or isinstance(cost, bool):
+        return None
+    upstream = record.get("upstream_inference_cost")
+    if record.get("is_byok") is True and isinstance(upstream, int | float) and not isinstance(upstream, bool):
+        return float(cost) + float(upstream)
+    return float(cost)
 
 
 def _counts_tokens(record: dict[str, Any]) -> bool:

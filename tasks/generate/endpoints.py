@@ -172,10 +172,25 @@ def price_cost(cfg: PipelineConfig, prompt_tokens: int | None, completion_tokens
     ) / 1e6
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def reported_cost(usage: Any) -> float | None:
-    """`usage.cost` as the provider reported it (OpenRouter's usage accounting); None when absent or not a number."""
-    cost = usage.get("cost") if isinstance(usage, dict) else None
-    return float(cost) if isinstance(cost, int | float) and not isinstance(cost, bool) else None
+    """What the answer cost as the provider reported it (OpenRouter's usage accounting); None when absent.
+
+    `usage.cost` is what OpenRouter charged the account. With the user's own provider key (`usage.is_byok`),
+    that is only OpenRouter's fee: the inference itself, `cost_details.upstream_inference_cost`, was billed by
+    the provider to the same user, so it is spent too and counts against the cap (a BYOK run recorded $0 while
+    its provider charged 3x the cap). Without BYOK the upstream cost is already inside `cost`."""
+    if not isinstance(usage, dict):
+        return None
+    cost = _number(usage.get("cost"))
+    details = usage.get("cost_details")
+    upstream = _number(details.get("upstream_inference_cost")) if isinstance(details, dict) else None
+    if usage.get("is_byok") is True and upstream is not None:
+        return (cost or 0.0) + upstream
+    return cost
 
 
 def parse_response(

@@ -628,6 +628,8 @@ async def _generate_async(
         # a self-hosted server's cost is the configured prices by definition
         seen = cfg.endpoint.kind == "sglang_generate"
         client.budget = settler.budget = Budget(cfg.endpoint.max_cost_usd, prior.counted_usd, prices_seen=seen)
+        if settler.by_generation:
+            client.budget.reclaim = settler.mid_run
         if cfg.endpoint.max_cost_usd is not None and cfg.endpoint.kind == "openai_chat" and any(s.todo for s in states):
             listed = await asyncio.to_thread(listed_price_factor, cfg.endpoint)
             if listed is not None:

@@ -174,6 +174,13 @@ class Settler:
             await self._account_reading("end")
             await self._settle_by_account()
 
+    async def mid_run(self) -> None:
+        """Before the budget stops a run (`Budget.reclaim`), nothing in flight: this run's pending attempts so far,
+        read back from its flushed segment, settled from their generation records."""
+        self.writer.flush()
+        self.ledger = SpendLedger.load(self.cfg.run_dir)
+        await self._settle_by_generation(LOOKUP_AFTER_RUN_S)
+
     def _record(self, uid: str, cost: float, src: str) -> None:
         attempt = self.ledger.attempts[uid]
         worst = attempt.worst_usd

@@ -226,7 +226,9 @@ class CompletionLayout:
     end_of_turn_start: int
 
 
-def normalized_parts(fmt: CompletionFormat, reasoning: str | None, content: str | None) -> tuple[str, str]:
+def normalized_parts(
+    fmt: CompletionFormat, reasoning: str | None, content: str | None, truncated: bool = False
+) -> tuple[str, str]:
     """Reasoning and content as they sit between the format's literal markers.
 
     A raw-text endpoint leaves the reasoning-open tag the model emitted at the start of the reasoning; it is part
@@ -238,12 +240,18 @@ def normalized_parts(fmt: CompletionFormat, reasoning: str | None, content: str 
     the whole content, many APIs strip everything), and any newline beyond the template's own is one the model
     wrote (`foo\n\n</think>` is `ĊĊ`, not `Ċ`), so it stays. Stripping every boundary newline made such answers
     pass with wrong ids, and made the model's exact ids disagree with the text.
+
+    An answer cut inside its reasoning (`truncated`, no content) never wrote the pad before the close tag: a
+    newline it ends in is the model's own.
     """
     reasoning, content = reasoning or "", content or ""
-    if fmt.reasoning_open and not fmt.open_in_prompt and reasoning.lstrip().startswith(fmt.reasoning_open):
-        reasoning = reasoning.lstrip()[len(fmt.reasoning_open) :]
+    opening = (fmt.reasoning_open or "").lstrip()  # GLM's is "\n<think>": the text may start at the tag itself
+    if opening and not fmt.open_in_prompt and reasoning.lstrip().startswith(opening):
+        reasoning = reasoning.lstrip()[len(opening) :]
     if fmt.reasoning_pad:
-        reasoning = reasoning.removeprefix(fmt.reasoning_pad).removesuffix(fmt.reasoning_pad)
+        reasoning = reasoning.removeprefix(fmt.reasoning_pad)
+        if not (truncated and not content):
+            reasoning = reasoning.removesuffix(fmt.reasoning_pad)
     if fmt.content_separator:
         content = content.removeprefix(fmt.content_separator)
     return reasoning, content
@@ -259,7 +267,7 @@ def completion_layout(
     emitted its end-of-turn token, and, if it stopped inside the reasoning, never emitted the close tag either:
     neither is invented.
     """
-    reasoning, content = normalized_parts(fmt, reasoning, content)
+    reasoning, content = normalized_parts(fmt, reasoning, content, truncated)
     if not fmt.has_reasoning:
         if reasoning.strip():
             raise ValueError(f"format {fmt.name!r} has no reasoning, but the response carries reasoning text")
@@ -674,6 +682,10 @@ def _shown_to_a_written_format(
     opens = fmt.reasoning_open is not None and header.rstrip().endswith(fmt.reasoning_open.rstrip())
     if fmt.has_reasoning and opens != fmt.open_in_prompt:
         extra["open_in_prompt"] = (fmt.open_in_prompt, opens)
+    elif opens and fmt.reasoning_open:  # what follows the open tag in the prompt is the reasoning's leading pad
+        shown_pad = header[header.rfind(fmt.reasoning_open.rstrip()) + len(fmt.reasoning_open.rstrip()) :]
+        if fmt.reasoning_open + fmt.reasoning_pad != fmt.reasoning_open.rstrip() + shown_pad:
+            extra["reasoning_pad"] = (fmt.reasoning_pad, shown_pad)
     return frozenset({"end_of_turn"}), extra
 
 

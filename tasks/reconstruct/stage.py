@@ -471,10 +471,6 @@ def tokens_recipe(cfg: PipelineConfig, fmt: CompletionFormat, repair: RepairTabl
     }
     if repair is not None:
         recipe["repair_rules"] = repair.digest()
-    if fmt.reasoning_pad or fmt.content_separator:  # rows built before these were removed once each (not stripped)
-        recipe["boundary_whitespace"] = "layout_once"
-    if template_prints_date(cfg.tokenizer.path):  # rows built before dated prompts were rendered at the send time
-        recipe["prompt_date"] = "request_sent_utc"
     return recipe
 
 
