@@ -137,7 +137,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     check_inputs(cfg)
     from tasks.estimate.display import estimate_text
-    from tasks.estimate.estimate import estimate_run
+    from tasks.estimate.estimate import estimate_run, over_budget
 
     observed = Path(args.observed).resolve() if args.observed else None
     estimate = estimate_run(cfg, observed_run_dir=observed, price_lookup=not args.no_price_lookup)
@@ -145,10 +145,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(json.dumps(estimate.to_dict(), indent=2, default=str))
     else:
         print(estimate_text(estimate))
-    low = estimate.cost_usd("low")
-    cap = estimate.max_cost_usd
-    if cap is not None and low is not None and estimate.requests and estimate.counted_usd + low > cap:
-        print(f"error: the low end ${low:.4f} already exceeds endpoint.max_cost_usd=${cap:.4f}", file=sys.stderr)
+    reason = over_budget(estimate)
+    if reason is not None:
+        print(f"error: {reason}", file=sys.stderr)
         return ExitCode.BUDGET
     return ExitCode.OK
 

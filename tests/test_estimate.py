@@ -173,3 +173,51 @@ def test_the_flow_estimates_first_stops_on_dry_run_and_refuses_above_the_cap(
     state = pipeline(capped, return_state=True)
     assert state.is_failed() and "exceeds endpoint.max_cost_usd" in (state.message or "")
     assert _completion_requests(sim) == 0
+
+
+def test_after_a_kill_the_estimate_counts_journaled_answers_as_bought_and_pending_ones_as_unsettled(
+    sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """What a `kill -9` leaves: answers in the journal (replayed by the next run, never bought again) and attempts
+    pending at their worst case (settled when generate starts). The estimate counted the first as requests to buy
+    and refused the rerun over the second, so every rerun after the kill exited 3 though the cap had room."""
+    from tasks.common.shards import PartRef
+    from tasks.estimate.estimate import over_budget
+    from tasks.generate.chunks import journal_dir
+    from tasks.generate.journal import AppendLog
+    from tasks.generate.ledger import LedgerWriter
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(demo_config_path(), _overrides(run_dir, sim, tokenizer_dir))
+    from tasks.prepare.datasets import prepare_datasets
+
+    prepare_datasets(cfg)
+    fresh = estimate_run(cfg, price_lookup=False)
+    prompts = read_part(PartRef(run_dir, "prompts", 0), ["sample_id", "dataset"]).to_pylist()
+    journal = AppendLog(journal_dir(run_dir) / "journal-1-1.log", group_commit_s=0.0)
+    for row in prompts[:5]:
+        journal.submit({"p": 0, "r": {**row, "status": "done", "completion_tokens": 40, "latency_s": 1.0}})
+    journal.close()
+    assert estimate_run(cfg, price_lookup=False).requests == fresh.requests - 5
+
+    low = fresh.cost_usd("low")
+    assert low is not None
+    writer = LedgerWriter(run_dir, group_commit_s=0.0)
+    writer.sent(prompts[6]["sample_id"], prompts[6]["dataset"], 0, 10 * low)  # killed in flight: pending
+    uid = writer.sent(prompts[7]["sample_id"], prompts[7]["dataset"], 0, 0.01)
+    writer.ended(uid, "answered", low / 10, "gen-1", None)
+    writer.close()
+    now = estimate_run(cfg, price_lookup=False)
+    now_low = now.cost_usd("low")
+    assert now_low is not None and now.pending_usd == 10 * low
+    cap = now.spent_usd + 1.01 * now_low
+    assert now.counted_usd + now_low > cap  # what refused every rerun
+    with_room = load_config(
+        demo_config_path(), _overrides(run_dir, sim, tokenizer_dir, **{"endpoint.max_cost_usd": cap})
+    )
+    assert over_budget(estimate_run(with_room, price_lookup=False)) is None
+    short = now.spent_usd + 0.99 * now_low
+    billed_out = load_config(
+        demo_config_path(), _overrides(run_dir, sim, tokenizer_dir, **{"endpoint.max_cost_usd": short})
+    )
+    assert "already billed" in (over_budget(estimate_run(billed_out, price_lookup=False)) or "")

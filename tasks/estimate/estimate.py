@@ -23,7 +23,7 @@ from tasks.common.messages import Message, response_sample_id, sample_id
 from tasks.common.shards import done_parts, read_part
 from tasks.estimate.errors import EstimateOverBudgetError
 from tasks.estimate.prices import Prices, resolve_prices
-from tasks.generate.chunks import STAGE, unfinished_chunk_rows
+from tasks.generate.chunks import STAGE, journal_rows, unfinished_chunk_rows
 from tasks.generate.ledger import SpendLedger, SpendTotals
 from tasks.prepare.datasets import MalformedRow, _raw_rows, normalize_row
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
@@ -121,12 +121,17 @@ class RunEstimate:
 
 
 def _response_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """Every response row a run directory holds: finished parts, then committed chunks of unfinished ones."""
+    """Every response row a run directory holds: finished parts, then committed chunks and the answer journal of
+    unfinished ones (journaled answers are replayed, not bought again: counted as to buy, 20 answers a killed
+    run had journaled made the estimate ask for 56 requests where 36 remained)."""
     finished = set()
     for ref in done_parts(run_dir, STAGE):
         finished.add(ref.part)
         yield from read_part(ref, columns=OBSERVED_COLUMNS).to_pylist()
     yield from unfinished_chunk_rows(run_dir, finished, OBSERVED_COLUMNS)
+    for part, rows in journal_rows(run_dir).items():
+        if part not in finished:
+            yield from ({c: row.get(c) for c in OBSERVED_COLUMNS} for row in rows)
 
 
 def done_sample_ids(run_dir: Path) -> set[str]:
@@ -251,16 +256,27 @@ def _complete(est: DatasetEstimate, observed: Observed, max_tokens: int) -> None
         est.completion_source = "sampling.max_tokens (no observed run: expected = worst case)"
 
 
-def check_budget(estimate: RunEstimate) -> None:
-    """Refuse a run whose cheapest outcome already crosses the cap (spend already recorded included)."""
+def over_budget(estimate: RunEstimate) -> str | None:
+    """Why the cheapest outcome already crosses the cap, with what the run directory has spent; None if it fits.
+
+    Spent means billed: attempts still pending count at their worst case in the budget, but generate settles them
+    from the provider's records before it sends anything, and its budget stops at the cap whatever they turn out
+    to cost. Counting them here at worst case refused every rerun after a `kill -9` (3 cut streams counted 30x
+    what they cost) before that settlement could run."""
     low = estimate.cost_usd("low")
     cap = estimate.max_cost_usd
-    if cap is None or low is None or not estimate.requests:
-        return
-    if estimate.counted_usd + low > cap:
-        raise EstimateOverBudgetError(
-            f"the estimate's low end ${low:.4f} (+ ${estimate.counted_usd:.4f} already counted in the run "
-            f"directory's spend ledger) exceeds "
-            f"endpoint.max_cost_usd=${cap:.4f} for {estimate.requests} requests to {estimate.model}: raise "
-            "endpoint.max_cost_usd, lower sampling.max_tokens or use fewer samples (datasets[].max_samples)"
-        )
+    if cap is None or low is None or not estimate.requests or estimate.spent_usd + low <= cap:
+        return None
+    return (
+        f"the estimate's low end ${low:.4f} (+ ${estimate.spent_usd:.4f} already billed in the run directory's "
+        f"spend ledger) exceeds endpoint.max_cost_usd=${cap:.4f} for {estimate.requests} requests to "
+        f"{estimate.model}: raise endpoint.max_cost_usd, lower sampling.max_tokens or use fewer samples "
+        "(datasets[].max_samples)"
+    )
+
+
+def check_budget(estimate: RunEstimate) -> None:
+    """Refuse a run whose cheapest outcome already crosses the cap (`over_budget`)."""
+    reason = over_budget(estimate)
+    if reason is not None:
+        raise EstimateOverBudgetError(reason)
