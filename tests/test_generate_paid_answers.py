@@ -313,3 +313,18 @@ def test_the_budget_settles_pending_attempts_before_it_stops_the_run(tmp_path: P
     assert summary["done"] == prompts and summary["stopped"] is None, summary
     totals = SpendLedger.load(tmp_path).totals()
     assert totals.pending_attempts == 0 and totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["stream", "sglang"])
+def test_a_self_hosted_server_without_prices_leaves_nothing_pending(
+    mode: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """An answer that reports usage and no cost, with no price table (a local vLLM or SGLang): free, $0, not
+    pending (pending, every answer would be looked up in vain at the end of every run)."""
+    sim_cfg = SimConfig(seed=18, report_cost=False)
+    summary, _ = _run(
+        tmp_path, tokenizer_dir, sim_cfg, mode, price_prompt_usd_per_mtok=0.0, price_completion_usd_per_mtok=0.0
+    )
+    assert summary["done"] == PROMPTS
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0 and totals.answered_attempts == PROMPTS and totals.counted_usd == 0

@@ -128,6 +128,16 @@ def _error_body_bill(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[
     return reported_cost(body.get("usage")), generation_id
 
 
+def answer_cost(result: GenerationResult) -> float | None:
+    """What an answer is recorded at: its reported (or priced) cost; $0 when it reports usage but nothing prices
+    it (a self-hosted server without a price table bills nothing); unknown (None: pending at its worst case until
+    the provider's records settle it) when it reports no usage at all: a stream whose usage chunk was cut off, an
+    aborted generation. Booked at $0, those left a quarter of a provider's bill unrecorded."""
+    if result.cost_usd is not None:
+        return result.cost_usd
+    return 0.0 if result.prompt_tokens is not None or result.completion_tokens is not None else None
+
+
 def _whole_before_done(stream: StreamAssembler) -> bool:
     """A stream cut after its finish_reason chunk but before `[DONE]` (a proxy's idle timeout, a reset on close)
     holds the whole answer: buying it again would pay twice for it. Its bill may have been cut off with the usage
@@ -685,7 +695,7 @@ class EndpointClient:
             # 404 retries per sample. Where it answers, it is what the ledger records: an answer without
             # usage.cost is otherwise priced from the config's table, which is not the bill. An answer with no
             # cost at all (its usage chunk cut off after the finish chunk) is kept, its cost pending.
-            paid = result.cost_usd
+            paid = answer_cost(result)
             try:
                 if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
                     result.billed_cost_usd = await self.lookup_cost(result.generation_id)
@@ -878,7 +888,7 @@ class EndpointClient:
         """Answers that parsed but cannot be training data: retried, at the cost their usage reports, or, without
         one, pending at worst case until the generation record settles it (an aborted stream carries no usage
         chunk, yet the provider bills what it generated: booked at $0 it undercounted a quarter of the bill)."""
-        billed, gid = result.cost_usd, result.generation_id
+        billed, gid = answer_cost(result), result.generation_id
         if result.finish_reason in RETRYABLE_FINISH:
             raise RetryableError(
                 f"finish_{result.finish_reason}",
