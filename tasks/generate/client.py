@@ -56,6 +56,7 @@ from tasks.generate.endpoints import (
     parse_response,
     price_cost,
     reported_cost,
+    usd_number,
 )
 from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
 from tasks.generate.ledger import LedgerWriter, Outcome
@@ -976,13 +977,10 @@ RECORD_TOKEN_FIELDS = (
 def record_cost(record: dict[str, Any]) -> float | None:
     """A generation record's cost to the user: `total_cost`, plus `upstream_inference_cost` for a request on the
     user's own provider key (`is_byok`), which the provider billed beside OpenRouter's fee (`reported_cost`)."""
-    cost = record.get("total_cost")
-    if not isinstance(cost, int | float) or isinstance(cost, bool):
-        return None
-    upstream = record.get("upstream_inference_cost")
-    if record.get("is_byok") is True and isinstance(upstream, int | float) and not isinstance(upstream, bool):
-        return float(cost) + float(upstream)
-    return float(cost)
+    cost, upstream = usd_number(record.get("total_cost")), usd_number(record.get("upstream_inference_cost"))
+    if cost is not None and record.get("is_byok") is True and upstream is not None:
+        return cost + upstream
+    return cost
 
 
 def _counts_tokens(record: dict[str, Any]) -> bool:

@@ -172,7 +172,8 @@ def price_cost(cfg: PipelineConfig, prompt_tokens: int | None, completion_tokens
     ) / 1e6
 
 
-def _number(value: Any) -> float | None:
+def usd_number(value: Any) -> float | None:
+    """A JSON number as dollars; None for anything else (a bool is not a number here)."""
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
@@ -185,9 +186,9 @@ def reported_cost(usage: Any) -> float | None:
     its provider charged 3x the cap). Without BYOK the upstream cost is already inside `cost`."""
     if not isinstance(usage, dict):
         return None
-    cost = _number(usage.get("cost"))
+    cost = usd_number(usage.get("cost"))
     details = usage.get("cost_details")
-    upstream = _number(details.get("upstream_inference_cost")) if isinstance(details, dict) else None
+    upstream = usd_number(details.get("upstream_inference_cost")) if isinstance(details, dict) else None
     if usage.get("is_byok") is True and upstream is not None:
         return (cost or 0.0) + upstream
     return cost
