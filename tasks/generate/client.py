@@ -79,6 +79,9 @@ CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "
 # Window regrowth per healthy answer: from half of 2,000 back to 2,000 in ~4,000 answers (seconds at full rate).
 GROWTH_PER_SUCCESS = 0.25
 LOOKUP_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+LOOKUP_TIMEOUT_S = 10.0
+"""One generation-record request: the session's read timeout is the stream's idle timeout (300 s by default), so
+a `/generation` that never answered held a budget stop's settlement for up to 25 minutes with nothing in flight."""
 PRICE_FACTOR_STEP = 0.01
 """How far above the configured prices a bill must be before worst cases are counted higher: costs are rounded."""
 UNSEEN_PRICES_IN_FLIGHT = 1
@@ -947,7 +950,7 @@ class EndpointClient:
             if delay:
                 await asyncio.sleep(delay)
             try:
-                async with self._session.get(url) as resp:
+                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=LOOKUP_TIMEOUT_S)) as resp:
                     if resp.status == 404 or resp.status == 429 or resp.status >= 500:
                         continue
                     if resp.status != 200:

@@ -179,7 +179,7 @@ class Settler:
         read back from its flushed segment, settled from their generation records."""
         self.writer.flush()
         self.ledger = SpendLedger.load(self.cfg.run_dir)
-        await self._settle_by_generation(LOOKUP_AFTER_RUN_S)
+        await self._settle_by_generation(LOOKUP_AFTER_RUN_S, remember_misses=False)
 
     def _record(self, uid: str, cost: float, src: str) -> None:
         attempt = self.ledger.attempts[uid]
@@ -192,8 +192,10 @@ class Settler:
         if self.budget is not None:
             self.budget.spent_usd -= worst - cost
 
-    async def _settle_by_generation(self, delays_s: tuple[float, ...]) -> None:
-        """Every pending attempt with a generation id not already looked up in vain by this run."""
+    async def _settle_by_generation(self, delays_s: tuple[float, ...], remember_misses: bool = True) -> None:
+        """Every pending attempt with a generation id not already looked up in vain by this run. A miss mid-run
+        (`remember_misses=False`) is looked up again at the run's end: a record may take longer to appear than a
+        pass waits, and remembered, it was never looked up again by that run."""
         if not self.by_generation:
             return
         pending = [p for p in self.ledger.pending_with_ids() if p[0] not in self._not_found]
@@ -207,12 +209,13 @@ class Settler:
 
         costs = await asyncio.gather(*(one(gid) for _, gid, _ in pending))
         settled = [(uid, cost) for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is not None]
-        self._not_found.update(uid for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is None)
+        if remember_misses:
+            self._not_found.update(uid for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is None)
         worst = sum(self.ledger.attempts[uid].worst_usd for uid, _ in settled)
         for uid, cost in settled:
             self._record(uid, cost, "generation")
         missing = len(pending) - len(settled)
-        if missing:
+        if missing and remember_misses:
             self.report.problems.append(
                 f"{missing} pending attempts have a generation id the provider has no record of (yet)"
             )
