@@ -54,12 +54,16 @@ def prefect_env() -> None:
 def heartbeats_only_for_a_server() -> Iterator[None]:
     """Flow-run heartbeats let a Prefect server mark a run whose process died as crashed. Without
     PREFECT_API_URL the run has a temporary server of its own that dies with it: nobody is told, and every flow
-    run would wait up to a second at its end for the heartbeat thread. With a server, they stay on."""
+    run would wait up to a second at its end for the heartbeat thread. With a server, they stay on. The temporary
+    server is also made to die with the run when the run is killed (`server_reaper`)."""
     from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     if PREFECT_API_URL.value():
         yield
         return
+    from flows.server_reaper import stop_temporary_server_with_this_process
+
+    stop_temporary_server_with_this_process()  # a `kill -9` of the run used to leave the server running for good
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
 

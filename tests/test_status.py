@@ -249,3 +249,18 @@ def test_rows_validation_dropped_are_not_expected_in_hidden_states(
     assert status.consistent, status.problems
     capsys.readouterr()
     assert main(["status", str(tmp_path / "run"), "--config", str(config)]) == 0
+
+
+def test_answers_a_killed_run_left_in_the_journal_are_shown_as_kept(tmp_path: Path) -> None:
+    """A `kill -9` leaves the last answers in the journal only (the next run replays them): `status` counted
+    just committed chunks and showed every one of them as missing, with nothing saying they were paid and kept."""
+    from tasks.generate.chunks import journal_dir
+    from tasks.generate.journal import AppendLog
+    from tasks.status.unfinished import answers_in_unfinished_parts, status_notes
+
+    journal = AppendLog(journal_dir(tmp_path) / "journal-1-1.log", group_commit_s=0.0)
+    for sid, status in (("a", "done"), ("b", "failed"), ("b", "done"), ("c", "failed")):
+        journal.submit({"p": 0, "r": {"sample_id": sid, "dataset": "ds", "status": status}})
+    journal.close()
+    assert answers_in_unfinished_parts(tmp_path) == {"ds": 2}
+    assert any("2 answers (ds 2)" in line and "responses/_journal" in line for line in status_notes(tmp_path))

@@ -10,16 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.shards import done_parts
-from tasks.generate.chunks import STAGE, unfinished_chunk_rows
+from tasks.generate.chunks import STAGE, journal_rows, merge_row, unfinished_chunk_rows
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.progress import format_usd
 
 
 def answers_in_unfinished_parts(run_dir: Path) -> dict[str, int]:
     """dataset -> samples answered (`done`, a later row of a sample replacing an earlier one) in the committed
-    chunks of responses parts that have no finished part yet."""
+    chunks, or the answer journal, of responses parts that have no finished part yet (a `kill -9` leaves its
+    last answers in the journal only: the next run replays them)."""
     finished = {ref.part for ref in done_parts(run_dir, STAGE)}
     latest = {r["sample_id"]: r for r in unfinished_chunk_rows(run_dir, finished, ["sample_id", "dataset", "status"])}
+    for part, rows in journal_rows(run_dir).items():
+        for row in rows if part not in finished else ():
+            merge_row(latest, row)
     return dict(Counter(r["dataset"] for r in latest.values() if r["status"] == "done"))
 
 
@@ -39,7 +43,7 @@ def status_notes(run_dir: Path) -> list[str]:
         by = ", ".join(f"{d} {n}" for d, n in sorted(waiting.items()))
         lines.append(
             f"responses: {sum(waiting.values())} answers ({by}) are committed in unfinished parts "
-            "(responses/_chunks) and counted as missing until their part finishes; they are kept, and the next "
-            "run does not buy them again"
+            "(responses/_chunks, or journaled in responses/_journal by a run that was killed) and counted as "
+            "missing until their part finishes; they are kept, and the next run does not buy them again"
         )
     return lines
