@@ -23,7 +23,7 @@ from tasks.common.messages import Message, response_sample_id, sample_id
 from tasks.common.shards import done_parts, read_part
 from tasks.estimate.errors import EstimateOverBudgetError
 from tasks.estimate.prices import Prices, resolve_prices
-from tasks.generate.chunks import STAGE, journal_rows, unfinished_chunk_rows
+from tasks.generate.chunks import STAGE, unfinished_answer_rows
 from tasks.generate.ledger import SpendLedger, SpendTotals
 from tasks.prepare.datasets import MalformedRow, _raw_rows, normalize_row
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
@@ -128,10 +128,7 @@ def _response_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
     for ref in done_parts(run_dir, STAGE):
         finished.add(ref.part)
         yield from read_part(ref, columns=OBSERVED_COLUMNS).to_pylist()
-    yield from unfinished_chunk_rows(run_dir, finished, OBSERVED_COLUMNS)
-    for part, rows in journal_rows(run_dir).items():
-        if part not in finished:
-            yield from ({c: row.get(c) for c in OBSERVED_COLUMNS} for row in rows)
+    yield from unfinished_answer_rows(run_dir, finished, OBSERVED_COLUMNS)
 
 
 def done_sample_ids(run_dir: Path) -> set[str]:

@@ -77,6 +77,15 @@ def unfinished_chunk_rows(run_dir: Path, finished: set[int], columns: list[str])
             yield from read_chunk(path, columns)
 
 
+def unfinished_answer_rows(run_dir: Path, finished: set[int], columns: list[str]) -> Iterator[dict[str, Any]]:
+    """`unfinished_chunk_rows`, then the journal's rows of the same parts (`columns` only): a `kill -9` leaves
+    its last answers in the journal alone, and the next run replays them instead of buying them again."""
+    yield from unfinished_chunk_rows(run_dir, finished, columns)
+    for part, rows in journal_rows(run_dir).items():
+        if part not in finished:
+            yield from ({c: row.get(c) for c in columns} for row in rows)
+
+
 def read_chunk(path: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:
     check_schema(path, RESPONSES, STAGE)
     rows: list[dict[str, Any]] = pq.read_table(path, columns=columns or list(RESPONSES.names)).to_pylist()
