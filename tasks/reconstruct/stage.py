@@ -17,10 +17,9 @@ the others in the batch path; output rows keep prompt order either way.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -500,7 +499,7 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
     if template_prints_date(cfg.tokenizer.path):
         finished = float(read_marker(out.with_stage("responses")).get("finished_at") or 0.0)
         sent = send_times(cfg.run_dir, samples, finished)
-        samples = [dataclasses.replace(s, sent_at_s=sent[s.sample_id]) for s in samples]
+        samples = [replace(s, sent_at_s=sent[s.sample_id]) for s in samples]
     table, counts = build_tokens_table(tokenizer, fmt, samples, cfg.reconstruct, kwargs, repair)
     stats: dict[str, Any] = {**counts, "responses_not_done": not_done, "completion_format": fmt.name}
     provenance = {

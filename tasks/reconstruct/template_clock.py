@@ -36,8 +36,8 @@ TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config
 
 
 def template_prints_date(tokenizer_dir: Path) -> bool:
-    """Whether the directory's chat template calls `strftime_now`: read from the files, so the tokens recipe can
-    name it without loading the tokenizer."""
+    """Whether the directory's chat template calls `strftime_now`, read from its files: the flow asks before it
+    loads the tokenizer (`flows.pipeline.pull_send_times`)."""
     return any(
         (tokenizer_dir / name).is_file() and CLOCK_FUNCTION in (tokenizer_dir / name).read_text(errors="replace")
         for name in TEMPLATE_FILES
