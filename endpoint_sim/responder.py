@@ -193,7 +193,8 @@ class SimConfig(BaseModel):
         ge=0.0,
         description="Requests on the user's own provider key (BYOK): usage.cost is OpenRouter's fee (this fraction "
         "of the price), `cost_details.upstream_inference_cost` the price the provider bills, `is_byok` true; the "
-        "bill records both (what the user paid). None: OpenRouter bills the price itself.",
+        "bill records both (what the user paid; GET /api/v1/key counts both too, where OpenRouter's usage counts the "
+        "fee alone). None: OpenRouter bills the price itself.",
     )
     strip_whitespace: bool = Field(
         default=False,
