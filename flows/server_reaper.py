@@ -22,14 +22,12 @@ WATCHDOG = """
 import os, signal, sys, time
 parent, server, mark = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 
-def alive(pid):
+def alive(pid):  # a zombie (killed, not reaped yet by its parent) is gone
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 def is_server(pid):
     try:

@@ -41,9 +41,9 @@ def test_a_killed_run_takes_its_temporary_server_with_it() -> None:
     server = int(run.stdout.readline())
     time.sleep(1.0)  # the watchdog has been handed the server
     assert _running(server)
-    os.kill(run.pid, signal.SIGKILL)
-    run.wait()
+    os.kill(run.pid, signal.SIGKILL)  # not reaped until the end: a killed run that is still a zombie is gone too
     deadline = time.monotonic() + 10
     while _running(server) and time.monotonic() < deadline:
         time.sleep(0.1)
+    run.wait()
     assert not _running(server), "the temporary server outlived its killed run"

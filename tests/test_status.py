@@ -259,8 +259,11 @@ def test_answers_a_killed_run_left_in_the_journal_are_shown_as_kept(tmp_path: Pa
     from tasks.status.unfinished import answers_in_unfinished_parts, status_notes
 
     journal = AppendLog(journal_dir(tmp_path) / "journal-1-1.log", group_commit_s=0.0)
-    for sid, status in (("a", "done"), ("b", "failed"), ("b", "done"), ("c", "failed")):
+    for sid, status in (("a", "done"), ("b", "failed"), ("b", "done"), ("c", "failed"), ("a", "done")):
         journal.submit({"p": 0, "r": {"sample_id": sid, "dataset": "ds", "status": status}})
     journal.close()
-    assert answers_in_unfinished_parts(tmp_path) == {"ds": 2}
+    assert answers_in_unfinished_parts(tmp_path) == {"ds": 2}  # an answer journaled twice is one answer
+    from tasks.generate.chunks import unfinished_answer_rows
+
+    assert len(unfinished_answer_rows(tmp_path, set(), ["sample_id", "status"])) == 3  # what the estimate observes
     assert any("2 answers (ds 2)" in line and "responses/_journal" in line for line in status_notes(tmp_path))

@@ -77,13 +77,19 @@ def unfinished_chunk_rows(run_dir: Path, finished: set[int], columns: list[str])
             yield from read_chunk(path, columns)
 
 
-def unfinished_answer_rows(run_dir: Path, finished: set[int], columns: list[str]) -> Iterator[dict[str, Any]]:
-    """`unfinished_chunk_rows`, then the journal's rows of the same parts (`columns` only): a `kill -9` leaves
-    its last answers in the journal alone, and the next run replays them instead of buying them again."""
-    yield from unfinished_chunk_rows(run_dir, finished, columns)
+def unfinished_answer_rows(run_dir: Path, finished: set[int], columns: list[str]) -> list[dict[str, Any]]:
+    """One row per sample (`merge_row`: a done row stays) of the committed chunks and the journal of the parts
+    not in `finished` (`columns` only, which must include sample_id and status): a `kill -9` leaves its last
+    answers in the journal alone, and the next run replays them instead of buying them again. The journal also
+    holds the answers already committed to chunks, so rows are merged by sample, not chained (chained, the
+    estimate's observed lengths counted 24 of 47 answers twice)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for row in unfinished_chunk_rows(run_dir, finished, columns):
+        merge_row(latest, row)
     for part, rows in journal_rows(run_dir).items():
-        if part not in finished:
-            yield from ({c: row.get(c) for c in columns} for row in rows)
+        for row in rows if part not in finished else ():
+            merge_row(latest, {c: row.get(c) for c in columns})
+    return list(latest.values())
 
 
 def read_chunk(path: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:

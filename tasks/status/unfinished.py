@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.shards import done_parts
-from tasks.generate.chunks import STAGE, merge_row, unfinished_answer_rows
+from tasks.generate.chunks import STAGE, unfinished_answer_rows
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.progress import format_usd
 
@@ -20,10 +20,8 @@ def answers_in_unfinished_parts(run_dir: Path) -> dict[str, int]:
     chunks, or the answer journal, of responses parts that have no finished part yet (a `kill -9` leaves its
     last answers in the journal only: the next run replays them)."""
     finished = {ref.part for ref in done_parts(run_dir, STAGE)}
-    latest: dict[str, dict[str, Any]] = {}
-    for row in unfinished_answer_rows(run_dir, finished, ["sample_id", "dataset", "status"]):
-        merge_row(latest, row)
-    return dict(Counter(r["dataset"] for r in latest.values() if r["status"] == "done"))
+    rows = unfinished_answer_rows(run_dir, finished, ["sample_id", "dataset", "status"])
+    return dict(Counter(r["dataset"] for r in rows if r["status"] == "done"))
 
 
 def spend_summary(run_dir: Path) -> dict[str, Any]:
