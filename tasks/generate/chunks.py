@@ -14,7 +14,6 @@ Journal rows replay after the chunks: they are at least as new.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,33 +62,33 @@ def chunk_paths(run_dir: Path, part: int) -> list[Path]:
     return sorted(cdir.glob("chunk-*.parquet"), key=chunk_index)
 
 
-def unfinished_chunk_rows(run_dir: Path, finished: set[int], columns: list[str]) -> Iterator[dict[str, Any]]:
-    """The rows of the committed chunks of every responses part not in `finished`, part by part in write order
-    (a later row of a sample replaces an earlier one): what a budget stop or a kill left of an unfinished part."""
-    root = chunk_dir(run_dir, 0).parent
-    if not root.is_dir():
-        return
-    for entry in sorted(root.iterdir()):
-        part = int(entry.name.split("-")[1]) if entry.name.startswith("part-") else None
-        if part is None or part in finished:
-            continue
-        for path in chunk_paths(run_dir, part):
-            yield from read_chunk(path, columns)
+def part_answer_rows(
+    run_dir: Path, part: int, columns: list[str], journaled: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """sample_id -> row (`columns` only, which include sample_id and status) of an unfinished part: its committed
+    chunks, then its journaled rows (`journal_rows(run_dir)[part]`), merged by sample (`merge_row`: a done row
+    stays). A `kill -9` leaves its last answers in the journal alone, and the journal also repeats answers already
+    committed to chunks, so rows are merged, not chained (chained, the estimate counted 24 of 47 answers twice)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for path in chunk_paths(run_dir, part):
+        for row in read_chunk(path, columns):
+            merge_row(rows, row)
+    for row in journaled:
+        merge_row(rows, {c: row.get(c) for c in columns})
+    return rows
 
 
 def unfinished_answer_rows(run_dir: Path, finished: set[int], columns: list[str]) -> list[dict[str, Any]]:
-    """One row per sample (`merge_row`: a done row stays) of the committed chunks and the journal of the parts
-    not in `finished` (`columns` only, which must include sample_id and status): a `kill -9` leaves its last
-    answers in the journal alone, and the next run replays them instead of buying them again. The journal also
-    holds the answers already committed to chunks, so rows are merged by sample, not chained (chained, the
-    estimate's observed lengths counted 24 of 47 answers twice)."""
-    latest: dict[str, dict[str, Any]] = {}
-    for row in unfinished_chunk_rows(run_dir, finished, columns):
-        merge_row(latest, row)
-    for part, rows in journal_rows(run_dir).items():
-        for row in rows if part not in finished else ():
-            merge_row(latest, {c: row.get(c) for c in columns})
-    return list(latest.values())
+    """`part_answer_rows` of every responses part not in `finished` that has chunks or journaled rows: what a
+    budget stop or a kill left of the parts it did not finish, and the next run keeps."""
+    journaled = journal_rows(run_dir)
+    root = chunk_dir(run_dir, 0).parent
+    entries = sorted(root.iterdir()) if root.is_dir() else []
+    chunked = {int(e.name.split("-")[1]) for e in entries if e.name.startswith("part-")}
+    out: list[dict[str, Any]] = []
+    for part in sorted((chunked | set(journaled)) - finished):
+        out += part_answer_rows(run_dir, part, columns, journaled.get(part, [])).values()
+    return out
 
 
 def read_chunk(path: Path, columns: list[str] | None = None) -> list[dict[str, Any]]:

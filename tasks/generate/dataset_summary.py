@@ -17,7 +17,7 @@ from typing import Any
 
 from tasks.common.failures import failure_class
 from tasks.common.shards import PartRef, read_part
-from tasks.generate.chunks import STAGE, chunk_paths, journal_rows, merge_row, read_chunk
+from tasks.generate.chunks import STAGE, journal_rows, part_answer_rows
 from tasks.generate.ledger import SpendLedger, SpendTotals
 from tasks.generate.progress import format_counts
 
@@ -97,16 +97,6 @@ def format_mix(counts: Counter[str]) -> str:
     )
 
 
-def _chunk_rows(run_dir: Path, part: int, journaled: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
-    for path in chunk_paths(run_dir, part):
-        for row in read_chunk(path, COLUMNS):
-            merge_row(rows, row)
-    for row in journaled:
-        merge_row(rows, {name: row.get(name) for name in COLUMNS})
-    return rows
-
-
 def _part_rows(
     run_dir: Path, part: int, journaled: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -120,7 +110,7 @@ def _part_rows(
         if ref.is_done():
             return read_part(ref, columns=COLUMNS).to_pylist(), {}
         try:
-            rows = _chunk_rows(run_dir, part, journaled)
+            rows = part_answer_rows(run_dir, part, COLUMNS, journaled)
         except FileNotFoundError:
             continue
         prompts = ref.with_stage("prompts")
