@@ -288,7 +288,7 @@ def pull_send_times(cfg: PipelineConfig, store: RunStore | None) -> None:
     each request was sent (`template_clock`), which a host that never ran generate otherwise does not have (it
     fell back to the part's finish time, a day late for an answer bought just before midnight)."""
     if store is not None and template_prints_date(cfg.tokenizer.path):
-        LogMirror(store, cfg.endpoint.commit_every_s).pull()
+        LogMirror(store, cfg.endpoint.commit_every_s).pull(with_journals=False)
 
 
 def stage_cpu(

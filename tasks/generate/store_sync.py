@@ -70,11 +70,13 @@ class LogMirror:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def pull(self) -> dict[str, int]:
-        """Every host's ledger segments and journals this host lacks (or holds shorter), before a run."""
+    def pull(self, with_journals: bool = True) -> dict[str, int]:
+        """Every host's ledger segments and journals this host lacks (or holds shorter), before a run; with
+        `with_journals=False` the ledger alone (what a host that only reconstructs needs of it: the send times)."""
         held = self._held()
         pulled = {"ledgers": 0, "journals": 0}
-        for (folder, pattern), kind in ((LEDGERS, "ledgers"), (JOURNALS, "journals")):
+        logs = ((LEDGERS, "ledgers"), (JOURNALS, "journals")) if with_journals else ((LEDGERS, "ledgers"),)
+        for (folder, pattern), kind in logs:
             for name, remote in sorted(self.store.list_logs(folder, pattern).items()):
                 self._stored[(folder, name)] = remote.size
                 local = self.run_dir / folder / name
