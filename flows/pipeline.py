@@ -298,9 +298,11 @@ def stage_cpu(
     when every tokens and validation part is current."""
     out: dict[str, Any]
     fmt = _format(cfg)
-    pull_send_times(cfg, store)
     built = _done(cfg, "responses", parts), _done(cfg, "tokens", parts)
-    if not tokens_todo(cfg, fmt, built[0]) and not validation_todo(cfg, fmt, built[1]):
+    rebuild = tokens_todo(cfg, fmt, built[0])
+    if rebuild:  # only a tokens part being built renders prompts
+        pull_send_times(cfg, store)
+    if not rebuild and not validation_todo(cfg, fmt, built[1]):
         out = {"reconstruct": _reused(cfg, "tokens", built[0]), "validate": _reused(cfg, "validation", built[1])}
     elif run is not None and run.cpu_task_runner == "dask":
         from prefect_dask import DaskTaskRunner
