@@ -51,7 +51,7 @@ def close_crashed_leftovers(flow: Any, flow_run: Any, state: Any) -> None:
 
 def close_task_runs_of_crashed_flow_runs() -> list[str]:
     """Mark Crashed every open task run of the newest crashed eagle3 flow runs; returns their names."""
-    closed: list[str] = []
+    closed: dict[Any, str] = {}  # task run id -> name
     with get_client(sync_client=True) as client:
         crashed = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
@@ -62,9 +62,8 @@ def close_task_runs_of_crashed_flow_runs() -> list[str]:
             limit=RECENT_CRASHED_RUNS,
         )
         if not crashed:
-            return closed
+            return []
         names: dict[Any, str] = {run.id: run.name for run in crashed}
-        seen: set[Any] = set()
         while True:
             task_runs = [
                 t
@@ -75,12 +74,11 @@ def close_task_runs_of_crashed_flow_runs() -> list[str]:
                     ),
                     limit=200,
                 )
-                if t.id not in seen
+                if t.id not in closed
             ]
             if not task_runs:
-                return closed
+                return list(closed.values())
             for task_run in task_runs:
-                seen.add(task_run.id)
                 client.set_task_run_state(
                     task_run.id,
                     Crashed(
@@ -89,4 +87,4 @@ def close_task_runs_of_crashed_flow_runs() -> list[str]:
                     ),
                     force=True,
                 )
-                closed.append(task_run.name)
+                closed[task_run.id] = task_run.name
