@@ -388,21 +388,23 @@ def _bill_cut(
         cut = replace(billed, completion_tokens=tokens, reasoning_tokens=min(tokens, billed.reasoning_tokens))
         _record(state, admitted, meta, prompt_tokens, replace(cut, finish="cancelled"), streamed, cut=True)
     else:  # not billed; the generation record says so: nothing charged, no token counted, cancelled
-        free = Bill(
-            meta.id,
-            admitted.key,
-            0.0,
-            time.monotonic(),
-            0,
-            0,
-            0,
-            meta.provider,
-            meta.model,
-            "cancelled",
-            streamed,
-            True,
+        state.generations.add(
+            Generation(
+                id=meta.id,
+                cost_usd=0.0,
+                provider=meta.provider,
+                model=meta.model,
+                prompt_tokens=0,
+                completion_tokens=0,
+                reasoning_tokens=0,
+                finish_reason="cancelled",
+                latency_ms=admitted.latency_s * 1000,
+                generation_time_ms=0.0,
+                streamed=streamed,
+                completed_at=time.monotonic(),
+                cancelled=True,
+            )
         )
-        state.generations.add(replace(_generation(free, admitted.latency_s, 0.0), cancelled=True))
 
 
 async def _generating(
