@@ -1,6 +1,8 @@
 """Session-wide fixtures: one Prefect test harness, one tiny model directory, temp PREFECT_HOME.
 
-Prefect reads its settings at import, so the environment is set here before any test module imports it.
+Prefect reads its settings at import, so the environment is set here before any test module imports it. It also
+binds its console log handler to the sys.stdout of the moment `prefect.main` is first imported: a CLI test importing
+it first under `capsys` left every later flow logging into that test's closed capture stream, so it is imported here.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import prefect.main  # noqa: E402, F401  (its console log handler bound to the session's streams, see above)
 import pytest  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
