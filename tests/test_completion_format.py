@@ -332,6 +332,13 @@ def test_a_template_that_opens_reasoning_in_the_prompt_and_hides_it_takes_a_writ
     )
     with pytest.raises(ConfigError, match="reasoning_pad"):
         resolve_format("deepseek_v31_thinking", tok)
+    # a format without reasoning (a provider that hides it) would store `<think>\n4<EOS>` for an answer the model
+    # wrote reasoning and `</think>` into: it was accepted, and such rows passed validation
+    with pytest.raises(ConfigError, match="reasoning_open: preset None vs template '<think>'"):
+        resolve_format("deepseek_v31_instruct", tok)
+    no_reasoning = {"name": "hidden", "end_of_turn": EOS}
+    with pytest.raises(ConfigError, match="reasoning_open: config None vs template '<think>'"):
+        resolve_format(CompletionFormatSpec.model_validate(no_reasoning), tok)
     for wrong, field in wrongs:
         with pytest.raises(ConfigError, match=field):
             resolve_format(CompletionFormatSpec.model_validate({**r1, **wrong}), tok)
@@ -345,6 +352,16 @@ def test_an_answer_cut_inside_its_reasoning_keeps_the_newline_it_ends_in() -> No
     assert completion_layout(qwen, "\nfoo bar\n\n", None, truncated=True).text == "<think>\nfoo bar\n\n"
     assert completion_layout(qwen, "foo bar", None, truncated=True).text == "<think>\nfoo bar"
     assert completion_text(qwen, "\nfoo bar\n\n", "x") == "<think>\nfoo bar\n\n</think>\n\nx<|im_end|>"
+
+
+def test_with_the_open_tag_in_the_prompt_a_newline_the_reasoning_starts_with_is_the_models_own() -> None:
+    """QwQ's prompt ends `<think>\n`; a model that writes `\nOkay` next is returned by vLLM as reasoning
+    `\nOkay`: that newline was removed as the layout's pad, which the prompt already holds (ids one short)."""
+    qwq = PRESETS["qwen3_2507_thinking"]
+    assert qwq.open_in_prompt and qwq.reasoning_pad == "\n"
+    assert completion_text(qwq, "\nOkay\n", "\n\n4") == "\nOkay\n</think>\n\n4<|im_end|>"
+    assert completion_text(qwq, "Okay", "4") == "Okay\n</think>\n\n4<|im_end|>"
+    assert completion_layout(qwq, "\nOkay", None, truncated=True).text == "\nOkay"
 
 
 def test_an_open_tag_that_starts_with_a_newline_is_found_in_raw_text() -> None:

@@ -242,14 +242,17 @@ def normalized_parts(
     pass with wrong ids, and made the model's exact ids disagree with the text.
 
     An answer cut inside its reasoning (`truncated`, no content) never wrote the pad before the close tag: a
-    newline it ends in is the model's own.
+    newline it ends in is the model's own. With the open tag in the generation prompt (`open_in_prompt`) the
+    leading pad is prompt text no server returns: a newline the reasoning starts with is the model's own too
+    (QwQ's `<think>\n` prompt, then `\nOkay`).
     """
     reasoning, content = reasoning or "", content or ""
     opening = (fmt.reasoning_open or "").lstrip()  # GLM's is "\n<think>": the text may start at the tag itself
     if opening and not fmt.open_in_prompt and reasoning.lstrip().startswith(opening):
         reasoning = reasoning.lstrip()[len(opening) :]
     if fmt.reasoning_pad:
-        reasoning = reasoning.removeprefix(fmt.reasoning_pad)
+        if not fmt.open_in_prompt:
+            reasoning = reasoning.removeprefix(fmt.reasoning_pad)
         if not (truncated and not content):
             reasoning = reasoning.removesuffix(fmt.reasoning_pad)
     if fmt.content_separator:
@@ -679,7 +682,12 @@ def _shown_to_a_written_format(
     if visible or derived.has_reasoning:
         return seen, {}
     extra: dict[str, tuple[Any, Any]] = {}
-    opens = fmt.reasoning_open is not None and header.rstrip().endswith(fmt.reasoning_open.rstrip())
+    stem = header.rstrip()
+    if not fmt.has_reasoning:  # a prompt ending in an open tag makes the model write reasoning the format lacks
+        tag = next((o for o, _ in KNOWN_REASONING_TAGS if stem.endswith(o)), None)
+        if tag is not None:
+            extra["reasoning_open"] = (None, tag)
+    opens = fmt.reasoning_open is not None and stem.endswith(fmt.reasoning_open.rstrip())
     if fmt.has_reasoning and opens != fmt.open_in_prompt:
         extra["open_in_prompt"] = (fmt.open_in_prompt, opens)
     elif opens and fmt.reasoning_open:  # what follows the open tag in the prompt is the reasoning's leading pad
