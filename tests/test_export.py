@@ -257,6 +257,29 @@ def test_export_resumes_per_part_and_removes_stale_files(run_dir: Path, tmp_path
     assert not stale.exists() and (out / MANIFEST).exists()
 
 
+def test_a_specforge_re_export_with_another_target_norm_rewrites_every_file(
+    run_dir: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """SpecForge's files hold `norm(pre_norm)`: exported once with a wrong target (or one fixed in place since),
+    then again with the right one into the same directory, every part was skipped (its markers cover only the
+    run's parts) and every file kept the wrong norm, while the manifest named the right model."""
+    wrong = tmp_path / "wrong-model"
+    shutil.copytree(tiny_model_dir, wrong)
+    weights = load_file(str(wrong / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, str(wrong / "model.safetensors"), metadata={"format": "pt"})
+    out, fresh = tmp_path / "sf", tmp_path / "sf-fresh"
+    export_run(run_dir, "specforge", out, target_model=wrong)
+    again = export_run(run_dir, "specforge", out, target_model=tiny_model_dir)
+    assert again["parts_skipped"] == 0 and again["bytes_written"] > 0
+    export_run(run_dir, "specforge", fresh, target_model=tiny_model_dir)
+    files = sorted(p.relative_to(fresh) for p in fresh.rglob("data_*.ckpt"))
+    assert files and files == sorted(p.relative_to(out) for p in out.rglob("data_*.ckpt"))
+    for name in files:
+        assert torch.equal(torch.load(out / name)["hidden_state"], torch.load(fresh / name)["hidden_state"])
+    assert export_run(run_dir, "specforge", out, target_model=tiny_model_dir)["parts_skipped"] == 3
+
+
 def test_speculators_export_follows_a_rerun_that_adds_a_part(
     run_dir: Path, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -274,6 +297,7 @@ def test_speculators_export_follows_a_rerun_that_adds_a_part(
     write_tokens(run, sample_ids([9, 11], seed=50, prefix="p3-"), part=3)
     extract_part(make_cfg(run, tiny_model_dir, max_tokens_per_batch=64), 3, runner)
     stats = export_run(run, "speculators", out, val_fraction=0.0)
+    assert "speculators refuses train_data_ratio 1.0" in stats["warnings"][0]
     assert stats["parts_skipped"] == 3 and stats["samples"] == sum(map(len, PART_LENGTHS.values())) + 2
     assert stats["stale_files_removed"] == 2 and not list(out.glob("*-64.npy"))
     reference = stored(run, [*PART_LENGTHS, 3])

@@ -22,7 +22,7 @@ from transformers import AutoConfig
 
 from tasks.export import specforge, speculators
 from tasks.export.errors import ExportError
-from tasks.export.final_norm import load_final_norm
+from tasks.export.final_norm import load_final_norm, norm_fingerprint
 from tasks.export.progress import ExportProgress, PartSlot, assign_slots
 from tasks.export.source import SourcePart, source_parts
 from tasks.export.split import in_validation, prompt_ids, train_ratio
@@ -121,11 +121,13 @@ def export_run(
     populated = [p for p in parts if p.rows]
     layers, hidden, dtype, num_layers = _one_layout(populated) if populated else ([], 0, "", 0)
     model_dir = _target_model(parts, target_model)
-    progress = ExportProgress(out_dir, fmt, run_dir, speculators.LAYOUT if fmt == "speculators" else specforge.LAYOUT)
-    progress.start()
     norm = None
     if fmt == "specforge" and populated:
         norm = load_final_norm(model_dir, DTYPES[dtype], trust_remote_code=trust_remote_code)
+    layout = speculators.LAYOUT if fmt == "speculators" else specforge.LAYOUT
+    applied = {"final_norm": norm_fingerprint(norm)} if norm is not None else None
+    progress = ExportProgress(out_dir, fmt, run_dir, layout, applied)
+    progress.start()
     written, skipped = 0, 0
     for slot in slots:
         if progress.is_done(slot):
@@ -162,6 +164,12 @@ def export_run(
         trainer = {"config_file": specforge.CONFIG_FILE, "config": trainer_config}
     else:
         trainer = speculators.trainer_arguments(layers, num_layers, ratio)
+        if n_total and not n_val:  # speculators' create_train_val_loaders raises on a ratio of 1.0
+            warnings.append(
+                f"no prompt fell in the validation split (fraction {val_fraction} of {n_total} samples): "
+                "speculators refuses train_data_ratio 1.0 (it must be in (0, 1)); re-export with a larger "
+                "--val-fraction"
+            )
     manifest = progress.finish(
         slots,
         {

@@ -11,6 +11,7 @@ in, it computes what the target's norm computed, bit for bit on the same kernels
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import cast
@@ -74,3 +75,14 @@ def apply_norm(norm: nn.Module, states: torch.Tensor) -> torch.Tensor:
         out = norm(states.unsqueeze(0))
     result: torch.Tensor = out[0] if isinstance(out, tuple) else out
     return result[0].to(states.dtype)
+
+
+def norm_fingerprint(norm: nn.Module) -> str:
+    """The applied norm's identity for the export's part markers: its class, settings (`extra_repr`: eps, shape)
+    and every parameter's bytes. A re-export with another (or a corrected) target model into the same directory
+    must rewrite every file, where the markers over the run's parts alone let it skip them all."""
+    digest = hashlib.sha256(f"{type(norm).__qualname__}({norm.extra_repr()})".encode())
+    for name, param in sorted(norm.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -4,10 +4,10 @@ Both trainer layouts address samples by a global index (SpecForge's `data_{i}.ck
 i and `hs_{i}.safetensors`). Training samples come first, numbered part by part in part order, then the
 validation samples (`split.py`: whole prompts), likewise: speculators' reader takes its validation split as the
 tail of the rows, so the tail must be the held-out prompts. A part's marker records the indices and samples it
-holds and the fingerprints of the hidden-states and tokens parts they were read from, so a rerun skips a part
-only when the same samples, built from the same inputs, would land at the same indices, and rewrites it
-otherwise. The manifest (`eagle3_export.json`) is written last: an export directory without it is unfinished
-and must not be trained on.
+holds, the fingerprints of the hidden-states and tokens parts they were read from, and of what the export
+applied to them (SpecForge's final norm), so a rerun skips a part only when the same samples, built from the
+same inputs, would land at the same indices, and rewrites it otherwise. The manifest (`eagle3_export.json`) is
+written last: an export directory without it is unfinished and must not be trained on.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ class PartSlot:
     def count(self) -> int:
         return len(self.part.rows)
 
-    def marker_content(self, fmt: str, layout: str | None = None) -> dict[str, Any]:
+    def marker_content(
+        self, fmt: str, layout: str | None = None, applied: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         ref = self.part.ref
         inputs = {stage: fingerprint(ref.with_stage(stage)) for stage in (ref.stage, "tokens")}
         return {
@@ -49,6 +51,7 @@ class PartSlot:
             "sample_ids": self.part.sample_ids,
             "validation": self.validation,
             "inputs": inputs,
+            **({"applied": applied} if applied else {}),
         }
 
 
@@ -69,11 +72,20 @@ def assign_slots(parts: list[SourcePart], held_out: Callable[[str], bool]) -> li
 class ExportProgress:
     """Markers under `<out>/_eagle3_export/`; refuses an output directory some other tool wrote."""
 
-    def __init__(self, out_dir: Path, fmt: str, run_dir: Path, layout: str | None = None) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        fmt: str,
+        run_dir: Path,
+        layout: str | None = None,
+        applied: dict[str, str] | None = None,
+    ) -> None:
         self.out_dir = Path(out_dir)
         self.fmt = fmt
         self.layout = layout
         """the format's file naming, when it has had more than one (a part marked under another is rewritten)"""
+        self.applied = applied
+        """what the export applied beyond the run's parts (SpecForge: the target's final norm), by fingerprint"""
         self.run_dir = Path(run_dir).resolve()
         self.dir = self.out_dir / PROGRESS_DIR
         manifest = self.out_dir / MANIFEST
@@ -93,10 +105,11 @@ class ExportProgress:
 
     def is_done(self, slot: PartSlot) -> bool:
         marker = self._marker(slot)
-        return marker.exists() and json.loads(marker.read_text()) == slot.marker_content(self.fmt, self.layout)
+        expected = slot.marker_content(self.fmt, self.layout, self.applied)
+        return marker.exists() and json.loads(marker.read_text()) == expected
 
     def mark_done(self, slot: PartSlot) -> None:
-        atomic_write_text(self._marker(slot), json.dumps(slot.marker_content(self.fmt, self.layout)))
+        atomic_write_text(self._marker(slot), json.dumps(slot.marker_content(self.fmt, self.layout, self.applied)))
 
     def start(self) -> None:
         """A run of the export is starting: the old manifest no longer describes the directory."""
