@@ -221,3 +221,28 @@ def test_after_a_kill_the_estimate_counts_journaled_answers_as_bought_and_pendin
         demo_config_path(), _overrides(run_dir, sim, tokenizer_dir, **{"endpoint.max_cost_usd": short})
     )
     assert "already billed" in (over_budget(estimate_run(billed_out, price_lookup=False)) or "")
+
+
+def test_a_rerun_is_estimated_without_the_failures_it_does_not_send_again(
+    tiny_model_dir: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Deterministic failures under the same settings are not bought again (`rerun_policy`): the estimate
+    counted them as requests to send, so a cap that covered the rerun's real need (5 requests) was refused
+    for 78. With `retry_failed: all` they are sent again, and counted."""
+    from endpoint_sim.responder import FailureRule, SimConfig
+
+    faults = SimConfig(failures=(FailureRule(kind="context_length", rate=0.5),))
+    with SimulatorServer(tiny_model_dir, faults) as sim:
+        overrides = _overrides(tmp_path / "run", sim, tokenizer_dir)
+        assert main(["generate", str(demo_config_path()), "--no-progress", *_set_args(overrides)]) != 0
+    rows = [r for ref in done_parts(tmp_path / "run", "responses") for r in read_part(ref).to_pylist()]
+    failed = sum(r["status"] == "failed" for r in rows)
+    assert failed > 20 and failed + sum(r["status"] == "done" for r in rows) == len(rows) == 80
+    cfg = load_config(demo_config_path(), overrides)
+    rerun = estimate_run(cfg, price_lookup=False)
+    assert rerun.requests == 0
+    assert sum(d.samples_failed_kept for d in rerun.datasets) == failed
+    assert "failed, not sent again" in estimate_text(rerun)
+    again = estimate_run(load_config(demo_config_path(), {**overrides, "endpoint.retry_failed": "all"}), False)
+    assert sum(d.samples_failed_kept for d in again.datasets) == 0
+    assert again.requests == failed

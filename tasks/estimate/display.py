@@ -32,6 +32,7 @@ def estimate_text(est: RunEstimate, width: int = 160) -> str:
     metrics = [
         ("samples (total)", "samples_total"),
         ("already done", "samples_done"),
+        ("failed, not sent again", "samples_failed_kept"),
         ("quarantined rows", "quarantined"),
         ("requests to send", "requests"),
         ("prompt tokens (exact)", "prompt_tokens"),

@@ -3,7 +3,9 @@ tokenizer, completion tokens from `sampling.max_tokens` or from a finished run d
 prices from the config or the models listing, wall time from `endpoint.max_in_flight` and observed latencies.
 
 Invariant: estimating sends no completion request and writes nothing to the run directory. Samples the run
-directory already holds as "done" are not counted again (a rerun is estimated for what it still has to buy).
+directory already holds as "done", and failed samples the next run does not send again (`rerun_policy`: a
+deterministic failure under the same settings), are not counted (a rerun is estimated for what it still has to
+buy: counting 73 kept `context_length` failures refused a rerun that sent 5 requests).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tasks.generate.ledger import SpendLedger, SpendTotals
 from tasks.prepare.datasets import MalformedRow, _raw_rows, normalize_row
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, render_prompt_ids
 
-OBSERVED_COLUMNS = ["sample_id", "dataset", "status", "completion_tokens", "latency_s"]
+OBSERVED_COLUMNS = ["sample_id", "dataset", "status", "failure_reason", "completion_tokens", "latency_s"]
 LOW_QUANTILE = 0.1
 
 
@@ -39,6 +41,8 @@ class DatasetEstimate:
     quarantined: int = 0
     samples_total: int = 0
     samples_done: int = 0
+    samples_failed_kept: int = 0
+    """failed deterministically under the same settings: the next run does not send them again"""
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens_low: int = 0
@@ -131,8 +135,30 @@ def _response_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
     yield from unfinished_answer_rows(run_dir, finished, OBSERVED_COLUMNS)
 
 
-def done_sample_ids(run_dir: Path) -> set[str]:
-    return {row["sample_id"] for row in _response_rows(run_dir) if row["status"] == "done"}
+def samples_not_sent(cfg: PipelineConfig) -> tuple[set[str], set[str]]:
+    """(done, failed and kept): the samples the next generate run sends no request for, as the engine decides
+    (`tasks.generate.rerun_policy.resend`, with the ledger's record of each deterministic failure)."""
+    from tasks.generate.rerun_policy import resend, settings_fingerprint
+
+    done: set[str] = set()
+    failed: list[dict[str, Any]] = []
+    for row in _response_rows(cfg.run_dir):
+        if row["status"] == "done":
+            done.add(row["sample_id"])
+        elif row["status"] == "failed":
+            failed.append(row)
+    if not failed:
+        return done, set()
+    fingerprint = settings_fingerprint(cfg)
+    failed_with = SpendLedger.load(cfg.run_dir).deterministic
+    retry_failed, max_tokens = cfg.endpoint.retry_failed, cfg.sampling.max_tokens
+    kept = {
+        r["sample_id"]
+        for r in failed
+        if r["sample_id"] not in done
+        and not resend(r, fingerprint, failed_with.get(r["sample_id"]), retry_failed, max_tokens)
+    }
+    return done, kept
 
 
 def recorded_spend(run_dir: Path) -> SpendTotals:
@@ -175,7 +201,7 @@ def estimate_run(
     """Estimate what the run still has to buy. `observed_run_dir` (default: this run directory, when it holds
     finished samples) supplies the completion-length and latency distributions."""
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
-    done = done_sample_ids(cfg.run_dir)
+    done, failed_kept = samples_not_sent(cfg)
     if observed_run_dir is not None and not (observed_run_dir / STAGE).is_dir():
         raise ConfigError(f"--observed {observed_run_dir}: not a run directory with responses/ (run it first)")
     observed = observe(observed_run_dir or cfg.run_dir)
@@ -200,9 +226,11 @@ def estimate_run(
             if sid in seen:
                 continue
             seen.add(sid)
-            pending = [k for k in range(cfg.sampling.samples_per_prompt) if response_sample_id(sid, k) not in done]
-            est.samples_total += cfg.sampling.samples_per_prompt
-            est.samples_done += cfg.sampling.samples_per_prompt - len(pending)
+            ids = [response_sample_id(sid, k) for k in range(cfg.sampling.samples_per_prompt)]
+            pending = [rid for rid in ids if rid not in done and rid not in failed_kept]
+            est.samples_total += len(ids)
+            est.samples_done += sum(rid in done for rid in ids)
+            est.samples_failed_kept += sum(rid in failed_kept for rid in ids)
             if not pending:
                 continue
             prefixes = _user_turn_prefixes(messages, every_turn)
