@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import itertools
 import json
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -92,12 +93,22 @@ def usage(cfg: SimConfig, prompt_tokens: int, answer: ChatAnswer) -> dict[str, A
     if cfg.report_cost:
         price = cost_usd(cfg, prompt_tokens, answer.completion_tokens)
         if cfg.byok_fee_fraction is None:
-            out["cost"] = price
+            out["cost"] = _encoded(cfg, price)
         else:  # the user's own provider key: OpenRouter charges its fee, the provider bills the inference
-            out["cost"] = price * cfg.byok_fee_fraction
+            out["cost"] = _encoded(cfg, price * cfg.byok_fee_fraction)
             out["is_byok"] = True
-            out["cost_details"] = {"upstream_inference_cost": price}
+            out["cost_details"] = {"upstream_inference_cost": _encoded(cfg, price)}
     return out
+
+
+def _encoded(cfg: SimConfig, usd: float) -> float | str:
+    if cfg.cost_encoding == "string":
+        return repr(usd)
+    if cfg.cost_encoding == "nan":
+        return math.nan
+    if cfg.cost_encoding == "negative":
+        return -usd
+    return usd
 
 
 def spent_usd(cfg: SimConfig, prompt_tokens: int, completion_tokens: int) -> float:

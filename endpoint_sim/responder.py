@@ -74,6 +74,7 @@ FailureKind = Literal[
     "midstream_reset",
     "hang",
     "echo_key",
+    "billed_http",
 ]
 
 
@@ -95,7 +96,9 @@ class FailureRule(BaseModel):
     "truncated_json" (body or stream cut short),
     "invalid_json" (200 text/html), "empty" / "empty_reasoning" (200 with empty texts), "reset" (TCP RST, no
     response), "disconnect" (connection closed, no response), "midstream_reset" (TCP RST halfway through the
-    body or stream), "hang" (stall `hang_s`), "echo_key" (400 whose message quotes the Authorization header).
+    body or stream), "hang" (stall `hang_s`), "echo_key" (400 whose message quotes the Authorization header),
+    "billed_http" (the whole answer generated and billed, then HTTP `status` with an error body instead of it: a
+    gateway's 524 or a 408 after the upstream finished; `X-Generation-Id` as `generation_id_header` says).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -123,6 +126,11 @@ class SimConfig(BaseModel):
     noncanonical_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     text_mismatch_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     report_cost: bool = True
+    cost_encoding: Literal["number", "string", "nan", "negative"] = Field(
+        default="number",
+        description="How usage.cost is written (the bill is the real cost either way): a JSON number, a string "
+        "holding it (a proxy that writes decimals as strings), NaN, or negated (a broken or hostile endpoint).",
+    )
     # The shipped configs' prices (configs/run.yaml, flows/configs/demo.yaml): answers without usage.cost
     # (sglang_generate) are recorded at the config's prices, so the simulator bills the same.
     price_prompt_usd_per_mtok: float = Field(default=0.6, ge=0.0)

@@ -501,6 +501,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     pieces = (
         token_pieces(responder, admitted.sample, admitted.ids, admitted.finish) if want_logprobs and whole else None
     )
+    if kind == "billed_http" and admitted.rule is not None:  # generated and billed, then an error status
+        await _generating(state, admitted, meta, len(prompt_ids), billed, streamed=stream)
+        _record(state, admitted, meta, len(prompt_ids), billed, streamed=stream)
+        status = admitted.rule.status
+        error_headers = {GENERATION_ID_HEADER: meta.id} if cfg.generation_id_header else None
+        return state.respond(status, _error(status, f"simulated HTTP {status} after generation"), error_headers)
     if stream:
         options = body.get("stream_options")
         include_usage = not (isinstance(options, dict) and options.get("include_usage") is False)

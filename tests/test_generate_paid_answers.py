@@ -328,3 +328,46 @@ def test_a_self_hosted_server_without_prices_leaves_nothing_pending(
     assert summary["done"] == PROMPTS
     totals = SpendLedger.load(tmp_path).totals()
     assert totals.pending_attempts == 0 and totals.answered_attempts == PROMPTS and totals.counted_usd == 0
+
+
+@pytest.mark.parametrize(("status", "id_header"), [(408, True), (524, False), (500, True)])
+def test_an_error_status_after_the_answer_was_billed_is_not_free(
+    status: int, id_header: bool, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """The upstream generated and billed the whole answer, then the client got an error status (a 408 after the
+    upstream finished, Cloudflare's 524, a 5xx naming the generation). Booked at $0, 30% of the probe's bill went
+    unrecorded and the spend went to 1.9x the cap. Named by `X-Generation-Id`, it is settled from its record;
+    an id-less timeout is pending at worst case (never under its bill) until the account can settle it."""
+    sim_cfg = SimConfig(
+        seed=18,
+        generation_id_header=id_header,
+        failures=(FailureRule(kind="billed_http", status=status, rate=1.0, attempts=1),),
+    )
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "stream")
+    assert summary["done"] == PROMPTS and summary["retries_by_reason"] == {f"http_{status}": PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    if id_header:
+        assert totals.pending_attempts == 0 and dict(totals.settled_by) == {"generation": PROMPTS}
+        assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+    else:
+        assert totals.pending_attempts == PROMPTS and totals.counted_usd > provider
+
+
+@pytest.mark.parametrize("encoding", ["string", "nan", "negative"])
+def test_a_cost_written_as_a_string_is_read_and_one_no_bill_can_hold_is_settled_from_the_record(
+    encoding: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """`usage.cost` as a string was read as nothing and the answer priced from the config (1.5x the cap against
+    a provider's minimum fee); a NaN made the budget wait forever and the ledger's total NaN for good; a negative
+    one let the spend pass the cap. A string holding a number is read; the others are pending until the
+    generation record settles them."""
+    import math
+
+    sim_cfg = SimConfig(seed=19, cost_encoding=encoding, price_completion_usd_per_mtok=7.0)
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "chat", max_cost_usd=1.0)
+    assert summary["done"] == PROMPTS
+    totals = SpendLedger.load(tmp_path).totals()
+    assert math.isfinite(totals.counted_usd) and totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+    settled = dict(totals.settled_by)
+    assert settled == ({} if encoding == "string" else {"generation": PROMPTS})

@@ -73,6 +73,9 @@ RETRYABLE_FINISH = frozenset({"error", "abort"})
 # Failures that say the endpoint as a whole may be unreachable or overloaded, not that this sample is bad.
 OUTAGE_REASONS = frozenset({"connect", "connection", "timeout", "http_502", "http_503", "http_504"})
 GENERATION_ID_HEADER = "X-Generation-Id"
+# Timeouts reported by the server side after the request was accepted (a request timeout, a client-closed
+# request, Cloudflare's origin timeout): the upstream may have generated, and billed, the whole answer.
+UPSTREAM_TIMEOUT_STATUS = frozenset({408, 499, 524})
 # Connection failures raised while a new connection is established, before the request is written: `unsent`.
 NEVER_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "context window", "too many tokens")
@@ -135,10 +138,13 @@ def _error_body_bill(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[
 def answer_cost(result: GenerationResult) -> float | None:
     """What an answer is recorded at: its reported (or priced) cost; $0 when it reports usage but nothing prices
     it (a self-hosted server without a price table bills nothing); unknown (None: pending at its worst case until
-    the provider's records settle it) when it reports no usage at all: a stream whose usage chunk was cut off, an
-    aborted generation. Booked at $0, those left a quarter of a provider's bill unrecorded."""
+    the provider's records settle it) when it reports no usage at all (a stream whose usage chunk was cut off, an
+    aborted generation: booked at $0, those left a quarter of a provider's bill unrecorded), or a cost that
+    cannot be read."""
     if result.cost_usd is not None:
         return result.cost_usd
+    if result.cost_unknown:
+        return None
     return 0.0 if result.prompt_tokens is not None or result.completion_tokens is not None else None
 
 
@@ -154,9 +160,12 @@ def _whole_before_done(stream: StreamAssembler) -> bool:
 
 
 class SampleFatalError(Exception):
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, billed: float | None = 0.0, generation_id: str | None = None) -> None:
+        """`billed` as for `RetryableError`: None when the refusal may have been billed (pending)."""
         super().__init__(message)
         self.reason = reason
+        self.billed = billed
+        self.generation_id = generation_id
 
 
 class BudgetExhausted(Exception):
@@ -651,8 +660,10 @@ class EndpointClient:
                     window.release()
                 result = self._answer(status, headers, raw, body, url, prompt_ids, sent_at)
             except SampleFatalError as exc:
-                budget.settle(reserve, 0.0)
-                self._ended(uid, "answered", 0.0, None, exc.reason, worst)
+                budget.settle(reserve, worst if exc.billed is None else exc.billed)
+                ended: Outcome = "pending" if exc.billed is None else "answered"
+                self._ended(uid, ended, exc.billed, exc.generation_id, exc.reason, worst)
+                cost += exc.billed or 0.0
                 return SampleOutcome(None, exc.reason, str(exc), attempt, None, retries or [], cost)
             except RetryableError as exc:
                 outcome = exc.outcome
@@ -803,7 +814,7 @@ class EndpointClient:
             self.breaker.alive(sent_at)
         if status != 200:
             snippet = self.redact(raw.decode("utf-8", errors="replace"))[:ERROR_SNIPPET_CHARS]
-            self._classify_status(status, headers.get("Retry-After"), snippet, url)
+            self._classify_status(status, headers.get("Retry-After"), snippet, url, headers.get(GENERATION_ID_HEADER))
         if body is None:
             body = self._json_body(raw)
         if body.get("error"):
@@ -915,9 +926,18 @@ class EndpointClient:
                 generation_id=gid,
             )
 
-    def _classify_status(self, status: int, retry_after: str | None, snippet: str, url: str) -> None:
-        """Raise the error class `status` belongs to; a run-fatal one also stops every later send."""
+    def _classify_status(
+        self, status: int, retry_after: str | None, snippet: str, url: str, generation_id: str | None = None
+    ) -> None:
+        """Raise the error class `status` belongs to; a run-fatal one also stops every later send.
+
+        An error status is booked at $0 unless it may have been billed: it names a generation (the provider
+        started one), or it is a timeout the server reported after accepting the request (`UPSTREAM_TIMEOUT_
+        STATUS`). Those are pending at worst case until the generation record (or, without an id, the key's
+        account under `exclusive_key`) settles them: booked at $0, a provider billing 408s and 524s left 30% of
+        its bill unrecorded and the spend went to 1.9x the cap."""
         wait = parse_retry_after(retry_after)
+        billed = None if generation_id or status in UPSTREAM_TIMEOUT_STATUS else 0.0
         if _refuses_run(status, retry_after):
             what = {401: "unauthorized", 402: "payment required", 403: "forbidden", 404: "not found"}[status]
             hint = (
@@ -930,11 +950,12 @@ class EndpointClient:
                 f"the run stops; {hint}. Finished samples are committed; a rerun resumes."
             )
             raise self._fatal
-        if status in RETRYABLE_STATUS or status >= 500 or status == 402:
-            raise RetryableError(f"http_{status}", f"HTTP {status}: {snippet}", wait)
+        if status in RETRYABLE_STATUS or status in UPSTREAM_TIMEOUT_STATUS or status >= 500 or status == 402:
+            raise RetryableError(f"http_{status}", f"HTTP {status}: {snippet}", wait, billed, generation_id)
         if status in (400, 413) and any(hint in snippet.lower() for hint in CONTEXT_LENGTH_HINTS):
-            raise SampleFatalError("context_length", f"HTTP {status}, prompt too long (not retried): {snippet}")
-        raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}")
+            message = f"HTTP {status}, prompt too long (not retried): {snippet}"
+            raise SampleFatalError("context_length", message, billed, generation_id)
+        raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}", billed, generation_id)
 
     async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] | None = None) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are

@@ -7,6 +7,7 @@ exact prompt ids and returns the sampled `output_ids`, which are the ground trut
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,8 @@ class GenerationResult:
     prompt_ids: list[int] | None
     quantization: str | None = None
     billed_cost_usd: float | None = None
+    cost_unknown: bool = False
+    """usage carried a cost that could not be read (`unreadable_cost`): pending, whatever the tokens price at"""
 
 
 def endpoint_url(cfg: PipelineConfig) -> str:
@@ -173,8 +176,31 @@ def price_cost(cfg: PipelineConfig, prompt_tokens: int | None, completion_tokens
 
 
 def usd_number(value: Any) -> float | None:
-    """A JSON number as dollars; None for anything else (a bool is not a number here)."""
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    """Dollars from a JSON number, or a string holding one (a proxy that writes decimals as strings: read as
+    nothing, its answers were priced from the config while the provider billed a minimum fee, 1.5x the cap);
+    None for anything else, and for an amount no bill can hold (NaN, infinite, negative: a NaN made the budget
+    wait forever and the ledger's total NaN for good, a negative one let the spend pass the cap)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return None
+    if not isinstance(value, int | float):
+        return None
+    amount = float(value)
+    return amount if math.isfinite(amount) and amount >= 0 else None
+
+
+def unreadable_cost(usage: Any) -> bool:
+    """The usage carries a cost this client cannot read (`usd_number` is None for a value that is there): the
+    answer's cost is unknown, pending until its generation record settles it, never priced from the config."""
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("cost_details")
+    values = [usage.get("cost"), details.get("upstream_inference_cost") if isinstance(details, dict) else None]
+    return any(v is not None and usd_number(v) is None for v in values)
 
 
 def reported_cost(usage: Any) -> float | None:
@@ -262,7 +288,8 @@ def _parse_chat(
     prompt_tokens = _opt_int(usage.get("prompt_tokens"), "usage.prompt_tokens")
     completion_tokens = _opt_int(usage.get("completion_tokens"), "usage.completion_tokens")
     cost = reported_cost(usage)
-    if cost is None:
+    unknown = cost is None and unreadable_cost(usage)
+    if cost is None and not unknown:
         cost = price_cost(cfg, prompt_tokens, completion_tokens)
     reasoning = _opt_str(reasoning, "message.reasoning")
     content = _opt_str(message.get("content"), "message.content")
@@ -288,6 +315,7 @@ def _parse_chat(
         output_ids=None if exact is None else exact.ids,
         prompt_ids=None,
         quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
+        cost_unknown=unknown,
     )
 
 
