@@ -179,3 +179,19 @@ def test_rerun_reuses_the_done_part(tmp_path: Path, tokenizer_dir: Path) -> None
     run_part(cfg, 0, [{}])
     again = validate_part(cfg, 0, DEMO)
     assert again["reused"] and again["rows"] == 1
+
+
+def test_a_think_tag_is_text_a_model_without_reasoning_tokens_may_write() -> None:
+    """SmolLM2 (no reasoning section, `<think>` three ordinary tokens) explaining think tags was failed as
+    `think_marker_in_content` and left out of the data. Where the marker is a control token of the tokenizer
+    (Qwen3-Instruct) or the format has a reasoning section, it still fails."""
+    from tasks.reconstruct.completion_format import CompletionFormat
+    from tasks.validate.checks import text_issues
+
+    smol = CompletionFormat("derived", None, False, None, "<|im_end|>")
+    answer = "The <think> tags wrap a model's reasoning; Kimi's are ◁think▷."
+    assert text_issues(smol, None, answer, "stop", ["stop"], {"<|im_end|>", "<|im_start|>"}) == []
+    qwen_controls = {"<|im_end|>", "<think>", "</think>"}
+    assert text_issues(smol, None, answer, "stop", ["stop"], qwen_controls) == ["think_marker_in_content:<think>"]
+    thinking = PRESETS["deepseek_v31_thinking"]
+    assert "think_marker_in_content:◁think▷" in text_issues(thinking, "r", answer, "stop", ["stop"], set())

@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,14 +148,20 @@ def issue_code(issue: str) -> str:
     return issue.split(":", 1)[0]
 
 
-def _marker_issues(fmt: CompletionFormat, text: str, where: str) -> list[str]:
+def _marker_issues(fmt: CompletionFormat, text: str, where: str, controls: Collection[str]) -> list[str]:
+    """The format's own tags by text, and any family's reasoning markers: with a reasoning format, a reasoning
+    section the parse mixed up; without one, only markers that are control tokens of this tokenizer (a model
+    whose answer shows `<think>`-tagged reasoning). For a model that has no such tokens, `<think>` is text it may
+    write (SmolLM2 explaining what think tags are: every such answer was failed)."""
     issues = []
     if fmt.reasoning_close and fmt.reasoning_close in text:
         issues.append(f"close_tag_in_{where}")
     if fmt.reasoning_open and fmt.reasoning_open in text:
         issues.append(f"open_tag_in_{where}")
     for marker in THINK_MARKERS:
-        if marker not in (fmt.reasoning_open, fmt.reasoning_close) and marker in text:
+        if marker in (fmt.reasoning_open, fmt.reasoning_close) or marker not in text:
+            continue
+        if fmt.has_reasoning or marker in controls:
             issues.append(f"think_marker_in_{where}:{marker}")
     return issues
 
@@ -184,6 +190,7 @@ def text_issues(
     content: str | None,
     finish_reason: str | None,
     allowed: Sequence[str],
+    controls: Collection[str],
 ) -> list[str]:
     reasoning, content = normalized_parts(fmt, reasoning, content)
     issues = []
@@ -191,8 +198,8 @@ def text_issues(
         issues.append("empty_reasoning")
     if not content.strip():
         issues.append("empty_content")
-    issues += _marker_issues(fmt, reasoning, "reasoning")
-    issues += _marker_issues(fmt, content, "content")
+    issues += _marker_issues(fmt, reasoning, "reasoning", controls)
+    issues += _marker_issues(fmt, content, "content", controls)
     if finish_reason not in allowed:
         issues.append(f"finish_reason:{finish_reason}")
     issues += tool_call_issues(content)
@@ -303,7 +310,7 @@ def history_issues(fmt: CompletionFormat, history: Sequence[dict[str, Any]] | No
             continue
         reasoning, content = normalized_parts(fmt, message["reasoning"], message["content"])
         for where, text in (("reasoning", reasoning), ("content", content)):
-            found = _marker_issues(fmt, text, where)
+            found = _marker_issues(fmt, text, where, ids.added.values())
             specials = dict.fromkeys(ids.added_pattern.findall(text))
             found += [f"special_token_in_{where}:{token}" for token in specials if token not in tags]
             for issue in found:
@@ -449,7 +456,7 @@ def validate_tables(
         r = by_id[sid]
         reasoning, content, finish = resp["reasoning"][r], resp["content"][r], resp["finish_reason"][r]
         layout = layouts[i]
-        issues = text_issues(fmt, reasoning, content, finish, allowed)
+        issues = text_issues(fmt, reasoning, content, finish, allowed, control.added.values())
         issues += special_token_issues(fmt, completions[i], reasoning_lens[i], layout, control)
         if fmt.has_reasoning:
             issues += boundary_issues(
