@@ -22,17 +22,31 @@ from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig, apply_overrides, load_config
 from tasks.common.errors import ConfigError
 
+# JSON Schema the Prefect server checks a run's parameters against before it stores them (the deployments set
+# `enforce_parameter_schema`): the model validator below runs only in the flow, after the server had already
+# written a key typed into the Run form to its database and shown it on the run's Parameters tab. Property
+# names only, so the refusal the server returns does not quote the key either.
+_NO_KEY_IN_ENDPOINT: dict[str, Any] = {"type": "object", "propertyNames": {"not": {"const": "api_key"}}}
+_NO_KEY_IN_CONFIG: dict[str, Any] = {"properties": {"endpoint": _NO_KEY_IN_ENDPOINT}}
+_NO_KEY_IN_OVERRIDES: dict[str, Any] = {
+    "propertyNames": {"not": {"pattern": r"^endpoint\.api_key$"}},
+    "properties": {"endpoint": _NO_KEY_IN_ENDPOINT},
+}
+
 
 class RunParameters(BaseModel):
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     config_path: str | None = Field(default=None, description="YAML config file, as seen from the worker.")
     config: dict[str, Any] | None = Field(
-        default=None, description="Inline config (same keys as the YAML). API keys must come from a block or env."
+        default=None,
+        description="Inline config (same keys as the YAML). API keys must come from a block or env.",
+        json_schema_extra=_NO_KEY_IN_CONFIG,
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Dotted keys, e.g. {'endpoint.max_in_flight': 500}; they win over the YAML and the blocks.",
+        json_schema_extra=_NO_KEY_IN_OVERRIDES,
     )
     endpoint_block: str | None = Field(default=None, description="InferenceEndpointBlock name (holds the API key).")
     tokenizer_block: str | None = Field(default=None, description="TokenizerSourceBlock name.")

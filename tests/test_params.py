@@ -78,3 +78,31 @@ def test_part_slices_partition_the_parts() -> None:
     assert sorted(p for s in slices for p in s) == list(range(20))
     assert slices[3] == [3, 11, 19]
     assert [p for p in range(3) if in_slice(p, None)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"config_path": "a.yaml", "overrides": {"endpoint.api_key": "sk-typed-KEY"}},
+        {"config_path": "a.yaml", "overrides": {"endpoint": {"model": "m", "api_key": "sk-typed-KEY"}}},
+        {"config": {**INLINE, "endpoint": {"model": "m", "api_key": "sk-typed-KEY"}}},
+    ],
+)
+def test_the_prefect_server_refuses_a_key_in_the_run_form_before_storing_it(params: dict[str, object]) -> None:
+    """The deployments enforce their parameter schema on the server, before the run is written to its database;
+    the model's own check ran only in the flow, after a key typed into the form was stored and shown on the run's
+    Parameters tab. Checked with the validator the server calls, on the schema `prefect deploy` records."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+    from prefect.utilities.schema_tools.validation import ValidationError as SchemaError
+
+    from flows.pipeline import pipeline
+
+    schema = parameter_schema(pipeline).model_dump_for_openapi()
+    with pytest.raises(SchemaError) as refused:
+        validate({"run": params}, schema, raise_on_error=True)
+    assert "api_key" in str(refused.value) and "typed-KEY" not in str(refused.value)
+    fine = {**params, "overrides": {"endpoint.max_in_flight": 8}}
+    if "config" in fine:
+        fine["config"] = INLINE
+    assert validate({"run": fine}, schema, raise_on_error=True) == []

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from endpoint_sim.server import SimConfig, SimulatorServer
@@ -111,6 +112,13 @@ def test_shipped_deployments_run_from_the_run_button_on_workers_and_wait_out_a_t
         final = c.wait_flow_run(flow_run["id"])
         assert final["state"]["type"] == "COMPLETED", (final["name"], final["state"])
     assert len(done_parts(run_dir, "hidden_states")) == parts, "a rerun of a finished run adds nothing"
+
+    # A key typed into the Run form's overrides is refused by the server before it stores the run (the flow's own
+    # check came after the key was in the database and on the run's Parameters tab).
+    typed = {"run": {**deployment["parameters"]["run"], "overrides": {"endpoint.api_key": "sk-typed-SECRET-KEY"}}}
+    with pytest.raises(httpx.HTTPStatusError) as refused:
+        c.trigger("eagle3-pipeline/pipeline", typed)
+    assert refused.value.response.status_code == 409 and "SECRET-KEY" not in refused.value.response.text
 
     for path in [*run_dir.rglob("*.parquet"), *run_dir.rglob("*.json"), *c.root.glob("*.log")]:
         assert b"SECRET-KEY" not in path.read_bytes(), f"API key leaked into {path}"
