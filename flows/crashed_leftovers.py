@@ -25,7 +25,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import FlowRunSort
-from prefect.logging import get_logger
+from prefect.logging.loggers import flow_run_logger
 from prefect.states import Crashed
 
 RUN_TAG = "eagle3"
@@ -38,8 +38,9 @@ OPEN_STATES = [StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED, StateT
 
 
 def close_crashed_leftovers(flow: Any, flow_run: Any, state: Any) -> None:
-    """Prefect `on_running` hook of every eagle3 flow; see the module docstring. Never raises."""
-    logger = get_logger("eagle3.crashed_leftovers")
+    """Prefect `on_running` hook of every eagle3 flow; see the module docstring. Never raises. It logs to the
+    starting flow run's own log (a plain logger reached only the worker's stdout, not the UI)."""
+    logger = flow_run_logger(flow_run, flow)
     try:
         closed = close_task_runs_of_crashed_flow_runs()
     except Exception as exc:  # the hook must never stop the run it starts

@@ -4,6 +4,8 @@ Running forever."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prefect import flow, task
 from prefect.client.orchestration import get_client
@@ -38,6 +40,7 @@ def test_the_next_run_closes_the_task_runs_a_crashed_run_left_running() -> None:
         _, foreign_task = flow_run_with_a_running_task(["someone-else"], crash=True)
 
         next_run()
+        this_run_name = max(client.read_flow_runs(), key=lambda r: r.created or r.expected_start_time).name
 
         dead = client.read_task_run(dead_task).state
         assert dead is not None and dead.type.value == "CRASHED", dead
@@ -45,3 +48,19 @@ def test_the_next_run_closes_the_task_runs_a_crashed_run_left_running() -> None:
         for other in (alive_task, foreign_task):  # a live run, and a crashed run that is not this tool's
             state = client.read_task_run(other).state
             assert state is not None and state.type.value == "RUNNING", state
+
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the UI reads the run's log from the API: the line must be there, not on stdout
+    wanted = "closed 1 task runs left Running by crashed flow runs"
+    messages: list[str] = []
+    with get_client(sync_client=True) as client:
+        (this_run,) = [r for r in client.read_flow_runs() if r.name == this_run_name]
+        only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[this_run.id]))
+        for _ in range(50):  # the log worker writes in batches
+            messages = [log.message for log in client.read_logs(log_filter=only_this_run)]
+            if any(wanted in m for m in messages):
+                break
+            time.sleep(0.2)
+    assert any(wanted in m for m in messages), messages
