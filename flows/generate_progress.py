@@ -145,6 +145,8 @@ class PrefectProgressListener:
         self._settings = get_settings_context()
         self._throttle = _Throttle(every_s, clock)
         self._lock = threading.Lock()
+        if flow_run_id is not None:
+            self._call(lambda client: retire_progress_cards(client, flow_run_id, SUPERSEDED))
         initial = self._artifact("progress", PROGRESS_KEY, 0.0, "**generate**: waiting for the first results")
         self.progress_id: UUID = self._call(lambda client: client.create_artifact(initial).id)
 
@@ -176,6 +178,42 @@ class PrefectProgressListener:
         progress = min(100.0, max(0.0, snapshot.percent))
         update = ArtifactUpdate(data=progress, description=status_markdown(snapshot))
         client.update_artifact(self.progress_id, update)
+
+
+OPEN_CARD_HEADINGS = ("**generate: in progress**", "**generate**: waiting")
+"""How a card that no attempt finished begins (`status_markdown`, the listener's first description)."""
+SUPERSEDED = "an earlier attempt of this flow run, ended before it finished: the newest card is current"
+
+
+def retire_progress_cards(client: SyncPrefectClient, flow_run_id: UUID, note: str, percent: float | None = None) -> int:
+    """Progress cards an earlier attempt of this flow run left (a task retry, or the UI's Retry of a crashed run):
+    each still open is told it is finished with, `note` first in its description (and set to `percent`, when
+    given). A retried run that found nothing left to send kept the crashed attempt's card at 50% "in progress"
+    on a Completed run."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    cards = client.read_artifacts(
+        artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[PROGRESS_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+        )
+    )
+    retired = 0
+    for card in cards:
+        if not (card.description or "").startswith(OPEN_CARD_HEADINGS):
+            continue
+        data = percent if percent is not None else card.data
+        client.update_artifact(card.id, ArtifactUpdate(data=data, description=f"**{note}**\n\n{card.description}"))
+        retired += 1
+    return retired
+
+
+def retire_progress_of_this_run(note: str, percent: float | None = None) -> int:
+    """`retire_progress_cards` for the flow run this is called in (a flow or task run context)."""
+    _, flow_run_id = get_task_and_flow_run_ids()
+    if flow_run_id is None:
+        return 0
+    with get_client(sync_client=True) as client:
+        return retire_progress_cards(client, flow_run_id, note, percent)
 
 
 def publish_generate_summary(cfg: PipelineConfig, parts: list[int]) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from flows.generate_progress import (
     PrefectProgressListener,
     logged_events,
     publish_generate_summary,
+    retire_progress_of_this_run,
 )
 from flows.params import RunParameters, in_slice, resolve_run
 from flows.retry_policy import retry_transient
@@ -234,7 +235,14 @@ def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]
             "and is not resent with these settings (no endpoint wait)",
             len(parts),
         )
-        return nothing_to_send_summary(cfg.run_dir, parts).to_dict()
+        nothing = nothing_to_send_summary(cfg.run_dir, parts)
+        total = nothing.total()
+        retire_progress_of_this_run(
+            f"generate: final (a later attempt found nothing left to send: {total['skipped_already_done']:,} "
+            f"samples done, {total['kept_failed']:,} kept as failed)",
+            100.0,
+        )
+        return nothing.to_dict()
     check_tokenizer_task(cfg)
     # Every host's spend and journaled answers first (the cap holds on any worker, a dead host's answers are
     # not bought again); then this run's are mirrored at every commit.

@@ -397,3 +397,32 @@ def test_a_sum_in_another_order_prints_the_same_amount() -> None:
     """0.03525 summed in two orders printed $0.0353 in `run` and $0.0352 in `status`."""
     assert format_usd(0.0352499999999) == format_usd(0.03525000001) == format_usd(0.03525) == "$0.0353"
     assert format_usd(1234.565) == "$1,234.57" and format_usd(None) == "-"
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_retried_run_does_not_keep_an_earlier_attempts_card_in_progress(cfg: PipelineConfig) -> None:
+    """A crashed run retried from the UI kept its first attempt's card at 50% "in progress" on a run that then
+    completed (nothing was left to send). A later attempt's card marks the earlier one superseded; an attempt
+    that finds nothing to send marks it final, at 100%."""
+    from prefect import flow, task
+
+    from flows.generate_progress import SUPERSEDED, PrefectProgressListener, retire_progress_of_this_run
+
+    @task
+    def attempt(done: int) -> Any:
+        listener = PrefectProgressListener()
+        listener(replace(RUNNING, done=done, failed=0, elapsed_s=1.0))
+        return listener.progress_id
+
+    @flow
+    def retried() -> tuple[Any, Any, int]:
+        first, second = attempt(500), attempt(700)
+        return first, second, retire_progress_of_this_run("generate: final (nothing left to send)", 100.0)
+
+    state = retried(return_state=True)
+    first, second, retired = state.result()
+    cards = {a.id: a for a in _artifacts(state.state_details.flow_run_id, "generate-progress")}
+    assert set(cards) == {first, second} and retired == 1
+    assert (cards[first].description or "").startswith(f"**{SUPERSEDED}**\n\n**generate: in progress**")
+    assert (cards[second].description or "").startswith("**generate: final (nothing left to send)**")
+    assert cards[first].data == pytest.approx(50.0) and cards[second].data == pytest.approx(100.0)
