@@ -156,7 +156,7 @@ def exclusion_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "dataset": s["dataset"],
             "excluded": s.get("excluded", s["fail"]),
             "fail": s["fail"],
-            "drop (policy)": s.get("drop", 0),
+            "drop": s.get("drop", 0),
             "reasons": ", ".join(f"{k}: {v}" for k, v in s.get("exclusion_reasons", {}).items()) or "none",
         }
         for s in summary
