@@ -9,7 +9,6 @@ failed sample and no quarantined row publishes none.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from uuid import UUID
 
 from prefect.artifacts import TableArtifact
 
+from flows.artifact_keys import run_key, slug
 from tasks.status.report import display_cell
 
 ROWS_PER_DATASET = 300
@@ -26,10 +26,9 @@ COLUMNS = ("sample_id", "reason", "class", "rerun", "attempts", "stage", "datase
 went wrong and what the next run does come first, the long last error last."""
 
 
-def artifact_key(dataset: str) -> str:
-    """Prefect keys are lowercase letters, digits and dashes: `failed-samples-b1` for dataset `B1`."""
-    slug = re.sub(r"[^a-z0-9]+", "-", dataset.lower()).strip("-") or "dataset"
-    return KEY_PREFIX + slug
+def artifact_key(dataset: str, run_dir: Path | str) -> str:
+    """`failed-samples-b1-run` for dataset `B1` of run directory `runs/run` (`flows.artifact_keys`)."""
+    return run_key(KEY_PREFIX + (slug(dataset) or "dataset"), run_dir)
 
 
 def table_rows(records: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -37,7 +36,7 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def publish_failed_samples(
-    records: list[dict[str, Any]], failed_file: Path, flow_run_id: UUID | None = None
+    records: list[dict[str, Any]], failed_file: Path, run_dir: Path, flow_run_id: UUID | None = None
 ) -> list[str]:
     """One table artifact per dataset that has failed samples or quarantined rows; returns their keys.
     `flow_run_id` attaches them to a run from outside its context (an on-failure hook)."""
@@ -53,7 +52,7 @@ def publish_failed_samples(
             + ", ".join(f"{k} {n}" for k, n in classes.most_common())
             + f"). Every one, with the same columns: {failed_file}"
         )
-        key = artifact_key(dataset)
+        key = artifact_key(dataset, run_dir)
         TableArtifact(
             key=key, table=table_rows(rows[:ROWS_PER_DATASET]), description=description, flow_run_id=flow_run_id
         ).create()

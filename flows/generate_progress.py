@@ -28,6 +28,7 @@ from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 from prefect.context import SettingsContext, get_settings_context
 from prefect.utilities.context import get_task_and_flow_run_ids
 
+from flows.artifact_keys import run_key
 from tasks.common.config import PipelineConfig
 from tasks.generate.dataset_summary import dataset_rows
 from tasks.generate.progress import (
@@ -136,7 +137,9 @@ class PrefectProgressListener:
     """Create inside a Prefect task (or flow) run; pass to `generate_parts(listeners=[...])`. Keeps one progress
     card (`generate-progress`: percent done, with the status table as its description) current."""
 
-    def __init__(self, every_s: float = PUBLISH_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, key: str = PROGRESS_KEY, every_s: float = PUBLISH_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         task_run_id, flow_run_id = get_task_and_flow_run_ids()
         if task_run_id is None and flow_run_id is None:
             raise RuntimeError("PrefectProgressListener must be created inside a Prefect flow or task run")
@@ -146,8 +149,8 @@ class PrefectProgressListener:
         self._throttle = _Throttle(every_s, clock)
         self._lock = threading.Lock()
         if flow_run_id is not None:
-            self._call(lambda client: retire_progress_cards(client, flow_run_id, SUPERSEDED))
-        initial = self._artifact("progress", PROGRESS_KEY, 0.0, "**generate**: waiting for the first results")
+            self._call(lambda client: retire_progress_cards(client, flow_run_id, key, SUPERSEDED))
+        initial = self._artifact("progress", key, 0.0, "**generate**: waiting for the first results")
         self.progress_id: UUID = self._call(lambda client: client.create_artifact(initial).id)
 
     def _artifact(self, kind: str, key: str, data: Any, description: str | None = None) -> ArtifactCreate:
@@ -185,7 +188,9 @@ OPEN_CARD_HEADINGS = ("**generate: in progress**", "**generate**: waiting")
 SUPERSEDED = "an earlier attempt of this flow run, ended before it finished: the newest card is current"
 
 
-def retire_progress_cards(client: SyncPrefectClient, flow_run_id: UUID, note: str, percent: float | None = None) -> int:
+def retire_progress_cards(
+    client: SyncPrefectClient, flow_run_id: UUID, key: str, note: str, percent: float | None = None
+) -> int:
     """Progress cards an earlier attempt of this flow run left (a task retry, or the UI's Retry of a crashed run):
     each still open is told it is finished with, `note` first in its description (and set to `percent`, when
     given). A retried run that found nothing left to send kept the crashed attempt's card at 50% "in progress"
@@ -194,7 +199,7 @@ def retire_progress_cards(client: SyncPrefectClient, flow_run_id: UUID, note: st
 
     cards = client.read_artifacts(
         artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[PROGRESS_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
         )
     )
     retired = 0
@@ -207,20 +212,20 @@ def retire_progress_cards(client: SyncPrefectClient, flow_run_id: UUID, note: st
     return retired
 
 
-def retire_progress_of_this_run(note: str, percent: float | None = None) -> int:
+def retire_progress_of_this_run(key: str, note: str, percent: float | None = None) -> int:
     """`retire_progress_cards` for the flow run this is called in (a flow or task run context)."""
     _, flow_run_id = get_task_and_flow_run_ids()
     if flow_run_id is None:
         return 0
     with get_client(sync_client=True) as client:
-        return retire_progress_cards(client, flow_run_id, note, percent)
+        return retire_progress_cards(client, flow_run_id, key, note, percent)
 
 
 def publish_generate_summary(cfg: PipelineConfig, parts: list[int]) -> list[dict[str, Any]]:
     """Table artifact, one row per dataset, of what the run directory holds for `parts`; call inside a run."""
     rows = dataset_rows(Path(cfg.run_dir), parts)
     create_table_artifact(
-        key=SUMMARY_KEY,
+        key=run_key(SUMMARY_KEY, cfg.run_dir),
         table=rows,
         description=f"Responses per dataset in {cfg.run_dir} (pending: samples without a row yet)",
     )

@@ -19,11 +19,13 @@ from prefect.artifacts import MarkdownArtifact, create_markdown_artifact, create
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
+from flows.artifact_keys import run_key
 from flows.budget_stop import mark_budget_stopped
 from flows.crashed_leftovers import RUN_TAG, close_crashed_leftovers
 from flows.extract_handoff import extract_on_deployment
 from flows.failed_samples import publish_failed_samples
 from flows.generate_progress import (
+    PROGRESS_KEY,
     LogProgressListener,
     PrefectProgressListener,
     logged_events,
@@ -103,7 +105,9 @@ def estimate_task(cfg: PipelineConfig) -> dict[str, Any]:
     get_run_logger().info("estimate before sending anything:\n%s", text)
     if estimate.prices.disagreement:
         get_run_logger().warning("%s", estimate.prices.disagreement)
-    create_markdown_artifact(key="estimate", markdown=f"# Estimate (nothing sent)\n\n```\n{text}\n```")
+    create_markdown_artifact(
+        key=run_key("estimate", cfg.run_dir), markdown=f"# Estimate (nothing sent)\n\n```\n{text}\n```"
+    )
     check_budget(estimate)
     return {**estimate.to_dict(), "text": text}
 
@@ -132,7 +136,10 @@ def generate_task(
     tokenizer = load_tokenizer(cfg.tokenizer)
     refs = [PartRef(cfg.run_dir, "prompts", p) for p in parts]
     markers = CompletionMarkers.of(_format(cfg))
-    listeners: list[Listener] = [PrefectProgressListener(), LogProgressListener(logger)]
+    listeners: list[Listener] = [
+        PrefectProgressListener(run_key(PROGRESS_KEY, cfg.run_dir)),
+        LogProgressListener(logger),
+    ]
     with logged_events(logger):
         summary = generate_parts(cfg, refs, markers, tokenizer, listeners=listeners, on_commit=mirror)
     out = summary.to_dict()
@@ -171,11 +178,13 @@ def validation_report_task(cfg: PipelineConfig) -> list[dict[str, Any]]:
             report = write_validation_report(cfg.run_dir, summary, violations, cfg.validation.billing_tolerance_frac)
         record_report(cfg.run_dir, key, report, summary)
     create_table_artifact(
-        key="validation-summary",
+        key=run_key("validation-summary", cfg.run_dir),
         table=overview_table(summary),
         description=f"Validation summary of {cfg.run_dir}, one column per dataset (full report: {report})",
     )
-    create_markdown_artifact(key="validation-report", markdown=artifact_markdown(report, summary, violations))
+    create_markdown_artifact(
+        key=run_key("validation-report", cfg.run_dir), markdown=artifact_markdown(report, summary, violations)
+    )
     if violations:
         get_run_logger().error("validation gates crossed; report: %s", report)
     check_gates(summary, cfg.validation, cfg.endpoint.retry_failed)
@@ -238,6 +247,7 @@ def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]
         nothing = nothing_to_send_summary(cfg.run_dir, parts)
         total = nothing.total()
         retire_progress_of_this_run(
+            run_key(PROGRESS_KEY, cfg.run_dir),
             f"generate: final (a later attempt found nothing left to send: {total['skipped_already_done']:,} "
             f"samples done, {total['kept_failed']:,} kept as failed)",
             100.0,
@@ -274,7 +284,7 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     attempt = int(flow_run.run_count or 1)
     if attempt > 1:
         create_markdown_artifact(
-            key="failure-summary",
+            key=run_key("failure-summary", cfg.run_dir),
             markdown=f"# Attempt {attempt} completed\n\nAn earlier attempt of this run failed; this one finished "
             "(see run-summary and run-status). The earlier failure's tables are older versions of their keys.",
         )
@@ -381,9 +391,9 @@ def publish_scores(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any
     the run summary is written. Not a task: a no-op rerun reads only `reports/scores.json`."""
     report = publish_score_report(cfg.run_dir, cfg.scoring)
     summary = report.summary
-    create_markdown_artifact(key="provider-parity", markdown=report.markdown)
+    create_markdown_artifact(key=run_key("provider-parity", cfg.run_dir), markdown=report.markdown)
     create_table_artifact(
-        key="provider-parity-table",
+        key=run_key("provider-parity-table", cfg.run_dir),
         table=provider_rows(summary) or [{"serving": None, "samples": "0"}],
         description=f"The target's scores of each provider's answers in {cfg.run_dir} (report: {report.path})",
     )
@@ -428,7 +438,7 @@ def run_pipeline(
     atomic_write_text(cfg.run_dir / "run_summary.json", json.dumps(stats, indent=2, default=str))
     if store is not None:
         store.push_file(cfg.run_dir / "run_summary.json")
-    create_markdown_artifact(key="run-summary", markdown=_markdown_summary(stats))
+    create_markdown_artifact(key=run_key("run-summary", cfg.run_dir), markdown=_markdown_summary(stats))
     if scored:
         check_parity_gate(stats["scores"], cfg.scoring)
     return stats
@@ -451,11 +461,11 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
         cfg.scores_extracted,
     )
     failed_file = write_failed_file(status)
-    publish_failed_samples(status.failure_records(), failed_file)
+    publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir)
     notes = "".join(f"- {line}\n" for line in status_notes(cfg.run_dir))  # paid answers in unfinished parts, spend
-    create_markdown_artifact(key="run-status", markdown=f"{status.markdown()}\n{notes}")
+    create_markdown_artifact(key=run_key("run-status", cfg.run_dir), markdown=f"{status.markdown()}\n{notes}")
     create_table_artifact(
-        key="run-status-table",
+        key=run_key("run-status-table", cfg.run_dir),
         table=status.rows(),
         description=f"Samples per dataset and stage in {cfg.run_dir}; failed and quarantined ids in {failed_file}",
     )
@@ -481,11 +491,13 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
     lines = [f"# `{flow_run.name}` failed", "", f"**{state.type.value}**: {message_lines[0] if message_lines else ''}"]
     lines += [f"- {line}" for line in message_lines[1:]]
     lines.append("")
+    key = "failure-summary"  # a run whose config does not resolve has no run directory to scope it by
     with warnings.catch_warnings():  # the hook may run outside the run's context: the run is named explicitly
         warnings.simplefilter("ignore", FutureWarning)
         try:
             run = RunParameters.model_validate(flow_run.parameters.get("run", {}))
             cfg = resolve_run(run).cfg
+            key = run_key(key, cfg.run_dir)
             lines.append(f"Run directory `{cfg.run_dir}`; finished parts per stage:")
             lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
             status = run_status(
@@ -495,10 +507,10 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
             lines += ["", "## What a rerun with the same parameters changes", "", *rerun_outlook(status), ""]
             lines += [status.markdown().replace("# status of", "## status of", 1), ""]
             lines.append(f"Failed and quarantined samples: `{failed_file}` (tables: the failed-samples artifacts)")
-            publish_failed_samples(status.failure_records(), failed_file, flow_run_id=flow_run.id)
+            publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir, flow_run_id=flow_run.id)
         except Exception as exc:  # the hook must report, never raise: the run has already failed
             lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
-        MarkdownArtifact(key="failure-summary", markdown="\n".join(lines), flow_run_id=flow_run.id).create()
+        MarkdownArtifact(key=key, markdown="\n".join(lines), flow_run_id=flow_run.id).create()
 
 
 def rerun_outlook(status: RunStatus) -> list[str]:
@@ -566,7 +578,7 @@ def extract_flow(run: RunParameters) -> list[dict[str, Any]]:
         for p, r in zip(done, results, strict=True)
     ]
     create_table_artifact(
-        key="extract-summary",
+        key=run_key("extract-summary", resolved.cfg.run_dir),
         table=rows or [{"part": None, "reused": None, **dict.fromkeys(EXTRACT_COLUMNS)}],
         description=f"Hidden-state parts in {resolved.cfg.run_dir} (reused: left as a previous run wrote it)"
         + (f" (slice {run.part_slice})" if run.part_slice else ""),

@@ -11,12 +11,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-
-def _key(run_dir: str, what: str) -> str:
-    import re
-
-    slug = re.sub(r"[^a-z0-9-]+", "-", run_dir.lower()).strip("-")[-40:]
-    return f"{what}-{slug}".strip("-")
+from flows.artifact_keys import run_key
 
 
 @task(name="train-drafter")
@@ -28,7 +23,7 @@ def train_task(run_dir: str, out_dir: str | None, options: dict[str, Any]) -> di
     summary = train_run(Path(run_dir), Path(out_dir) if out_dir else None, TrainOptions(**options))
     if summary["val_metrics"]:
         create_table_artifact(
-            key=_key(run_dir, "drafter-val-metrics"),
+            key=run_key("drafter-val-metrics", run_dir),
             table=summary["val_metrics"],
             description=f"speculators {summary['speculators_version']} validation metrics per epoch: "
             f"{summary['checkpoint']}",
@@ -36,7 +31,7 @@ def train_task(run_dir: str, out_dir: str | None, options: dict[str, Any]) -> di
     if summary["train_metrics"]:
         every = max(1, len(summary["train_metrics"]) // 50)
         create_table_artifact(
-            key=_key(run_dir, "drafter-train-metrics"),
+            key=run_key("drafter-train-metrics", run_dir),
             table=summary["train_metrics"][::every],
             description="training metrics (every step up to 50 rows)",
         )
@@ -53,7 +48,7 @@ def evaluate_task(run_dir: str, train_dir: str | None, kwargs: dict[str, Any]) -
     if options.get("prompts_file"):
         options["prompts_file"] = Path(options["prompts_file"])
     result = evaluate_run(Path(run_dir), Path(train_dir) if train_dir else None, **options)
-    create_markdown_artifact(key=_key(run_dir, "drafter-acceptance"), markdown=evaluation_markdown(result))
+    create_markdown_artifact(key=run_key("drafter-acceptance", run_dir), markdown=evaluation_markdown(result))
     return result
 
 

@@ -162,7 +162,7 @@ def test_the_flow_estimates_first_stops_on_dry_run_and_refuses_above_the_cap(
     stats = state.result()
     assert stats["dry_run"] and stats["estimate"]["requests"] == 80
     assert "prompt tokens (exact)" in stats["estimate"]["text"]
-    estimate = Artifact.get("estimate")
+    estimate = Artifact.get("estimate-dry")
     assert estimate is not None and "nothing sent" in str(estimate.data)
     assert _completion_requests(sim) == 0 and not (tmp_path / "dry" / "responses").exists()
 

@@ -48,7 +48,8 @@ def test_artifact_rows_show_every_column_and_name_quarantined_rows() -> None:
     assert rows[0]["attempts"] == "-" and rows[0]["sample_id"] == "abc"
     assert rows[1]["sample_id"] == "row 17 of b1.jsonl"
     assert (
-        artifact_key("B1") == "failed-samples-b1" and artifact_key("Chat Set/2024!") == "failed-samples-chat-set-2024"
+        artifact_key("B1", "runs/run") == "failed-samples-b1-run"
+        and artifact_key("Chat Set/2024!", "/data/Nightly Kimi") == "failed-samples-chat-set-2024-nightly-kimi"
     )
 
 

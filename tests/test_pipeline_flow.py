@@ -102,7 +102,9 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         task_runs = _task_runs(state.state_details.flow_run_id)
         assert len(task_runs) <= 4 * n_parts + 5, "Prefect bookkeeping must be O(parts), not O(samples)"
         keys = _artifact_keys(state.state_details.flow_run_id)
-        assert {"validation-summary", "generate-progress", "generate-summary", "failed-samples-b1"} <= keys
+        # keys end in the run directory's name (flows/artifact_keys.py), one history per run directory
+        assert {f"{k}-run" for k in ("validation-summary", "generate-progress", "generate-summary")} <= keys
+        assert "failed-samples-b1-run" in keys
         assert "generate-status" not in keys, "one progress card, updated in place"
         assert json.loads((run_dir / "run_summary.json").read_text())["run_dir"] == str(run_dir)
         for stage in STAGES:  # parts and markers only: reports live in reports/, quarantine and shards under _ names
@@ -113,7 +115,7 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         scores = pa.concat_tables([read_part(r, ["sample_id", "scored_tokens"]) for r in done_parts(run_dir, SCORES)])
         assert sorted(scores["sample_id"].to_pylist()) == sorted(index["sample_id"].to_pylist())
         assert min(scores["scored_tokens"].to_pylist()) > 0
-        assert {"provider-parity", "provider-parity-table"} <= keys
+        assert {"provider-parity-run", "provider-parity-table-run"} <= keys
         assert "## Provider parity" in (run_dir / "reports" / "report.md").read_text()
         assert stats["scores"]["scored_samples"] == index.num_rows
 
@@ -137,7 +139,8 @@ def test_pipeline_runs_every_stage_under_prefect_and_resumes(tmp_path: Path, tin
         assert rerun["validation_summary"] == summarize_validation(resolve_run(run).cfg)
         assert rerun["status"] == stats["status"] and rerun["status"]["consistent"]
         keys = _artifact_keys(again.state_details.flow_run_id)
-        assert {"validation-summary", "validation-report", "run-status", "run-status-table", "run-summary"} <= keys
+        scoped = {f"{k}-run" for k in ("validation-summary", "validation-report", "run-status", "run-status-table")}
+        assert scoped | {"run-summary-run"} <= keys
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -163,7 +166,7 @@ def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summa
     assert "real_difference" in (state.message or "") or "gate" in (state.message or "").lower()
     assert (run_dir / "reports" / "report.md").exists()
     assert not done_parts(run_dir, "hidden_states"), "extraction must not run past a crossed gate"
-    summary = Artifact.get("failure-summary")
+    summary = Artifact.get("failure-summary-gated")
     assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id
     assert "validation: 2" in str(summary.data) and "hidden_states: 0" in str(summary.data)
     # The gate is one line in the run's log too, not two tracebacks (an independent UI probe counted ~75 lines).
@@ -203,6 +206,6 @@ def test_a_retried_run_that_completes_replaces_its_failure_summary(
     )
     state = pipeline.with_options(retries=1, retry_delay_seconds=0)(run, return_state=True)
     assert state.is_completed() and len(attempts) == 2
-    summary = Artifact.get("failure-summary")
+    summary = Artifact.get("failure-summary-retried")
     assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id
     assert "Attempt 2 completed" in str(summary.data)

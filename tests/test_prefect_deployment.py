@@ -89,10 +89,10 @@ def test_shipped_deployments_run_from_the_run_button_on_workers_and_wait_out_a_t
     )
     gpu_runs = [r for r in extract_runs if r.get("work_pool_name") == "eagle3-gpu"]
     assert gpu_runs and all(r["state"]["type"] == "COMPLETED" for r in gpu_runs), extract_runs
-    assert "extract-summary" in _artifact_keys(c, gpu_runs[0]["id"])
+    assert "extract-summary-run" in _artifact_keys(c, gpu_runs[0]["id"])
 
-    assert {"validation-summary", "run-summary", "estimate"} <= _artifact_keys(c, pipeline_run["id"])
-    summary = c.api("GET", "/artifacts/run-summary/latest")["data"]
+    assert {"validation-summary-run", "run-summary-run", "estimate-run"} <= _artifact_keys(c, pipeline_run["id"])
+    summary = c.api("GET", "/artifacts/run-summary-run/latest")["data"]
     assert f"| hidden_states | {parts} |" in summary, summary
 
     task_runs = c.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [pipeline_run["id"]]}}})
@@ -196,5 +196,5 @@ def test_nightly_rerun_after_a_faulty_night_completes_every_stage(
     assert set(index["sample_id"].to_pylist()) == kept
 
     artifacts = c.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [nights[1][0]]}}})
-    markdown = next(a for a in artifacts if a["key"] == "run-status")
+    markdown = next(a for a in artifacts if a["key"] == "run-status-run")
     assert "**consistent**" in markdown["data"]

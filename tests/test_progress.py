@@ -380,7 +380,9 @@ def test_prefect_listener_keeps_one_card_current_from_a_foreign_thread_throttled
     assert "\\n" not in description
     assert _artifacts(flow_run_id, "generate-status") == [], "no second card"
 
-    (table,) = _artifacts(flow_run_id, "generate-summary")
+    from flows.artifact_keys import run_key
+
+    (table,) = _artifacts(flow_run_id, run_key("generate-summary", cfg.run_dir))
     assert table.type == "table"
     assert [r["dataset"] for r in out["rows"]] == ["alpha", "beta"]
     assert '"pending": 2' in str(table.data) and '"failures": "length 1"' in str(table.data)
@@ -417,7 +419,11 @@ def test_a_retried_run_does_not_keep_an_earlier_attempts_card_in_progress(cfg: P
     @flow
     def retried() -> tuple[Any, Any, int]:
         first, second = attempt(500), attempt(700)
-        return first, second, retire_progress_of_this_run("generate: final (nothing left to send)", 100.0)
+        return (
+            first,
+            second,
+            retire_progress_of_this_run("generate-progress", "generate: final (nothing left to send)", 100.0),
+        )
 
     state = retried(return_state=True)
     first, second, retired = state.result()

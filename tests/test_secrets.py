@@ -327,7 +327,7 @@ def test_prefect_generate_flow_keeps_the_key_out_of_every_record(
         labels = " ".join(records)
         assert "task run " in labels and "log " in labels, labels
     generate_labels = " ".join(prefect_records(flow_runs[1]))
-    for key in ("generate-progress", "generate-summary"):
+    for key in ("generate-progress-run", "generate-summary-run"):
         assert f"artifact {key} " in generate_labels, generate_labels
     stored = [path.read_bytes() for path in prefect_files()]
     assert any(str(tmp_path / "env" / "config.yaml").encode() in data for data in stored), "database not searched"

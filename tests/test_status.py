@@ -160,7 +160,7 @@ def test_run_exits_at_the_failed_rate_gate_and_the_failure_summary_lists_the_sam
         assert main(argv) == EXIT_GATE
     err = capsys.readouterr().err
     assert "error: validation gates crossed" in err and "max_failed_rate 0.05" in err
-    summary = Artifact.get("failure-summary")
+    summary = Artifact.get("failure-summary-run")
     assert summary is not None and "http_500" in str(summary.data)
     lines = (tmp_path / "run" / "failed_samples.jsonl").read_text().splitlines()
     assert any(json.loads(line)["reason"] == "http_500" for line in lines)

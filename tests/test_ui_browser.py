@@ -100,13 +100,16 @@ def test_failed_samples_read_in_a_browser(ui_server: Cluster, tiny_model_dir: Pa
     (flow_run,) = c.api("POST", "/flow_runs/filter", json={"flow_runs": {"parent_task_run_id": {"is_null_": True}}})
     assert flow_run["state"]["type"] == "FAILED"
     artifacts = _artifacts(c, flow_run["id"])
-    assert {"failure-summary", "failed-samples-b1", "failed-samples-b3", "validation-summary"} <= set(artifacts)
+    keys = {"failure-summary-run", "failed-samples-b1-run", "failed-samples-b3-run", "validation-summary-run"}
+    assert keys <= set(artifacts)
     base = c.url.removesuffix("/api")
 
     browser = Browser(out_dir)
     try:
         browser.open(f"{base}/v2/runs/flow-run/{flow_run['id']}?tab=Artifacts")
-        text = browser.wait_for(lambda t: "failed-samples-b1" in t and "failure-summary" in t, "the artifact cards")
+        text = browser.wait_for(
+            lambda t: "failed-samples-b1-run" in t and "failure-summary-run" in t, "the artifact cards"
+        )
         browser.screenshot("flow-run-artifacts")
         assert not LITERAL_NEWLINE.search(text), "an artifact card shows a literal \\n"
 
@@ -115,7 +118,7 @@ def test_failed_samples_read_in_a_browser(ui_server: Cluster, tiny_model_dir: Pa
             shown = [f for f in failed if f["dataset"].lower() == dataset][:10]
             expected = [f for f in shown if f["sample_id"] is not None]
             assert expected, f"no failed sample of {dataset} on the first page"
-            browser.open(f"{base}/v2/artifacts/artifact/{artifacts[f'failed-samples-{dataset}']['id']}")
+            browser.open(f"{base}/v2/artifacts/artifact/{artifacts[f'failed-samples-{dataset}-run']['id']}")
             text = browser.wait_for(
                 lambda t, want=expected: all(f["sample_id"] in t for f in want), f"the failed ids of {dataset}"
             )
@@ -127,13 +130,13 @@ def test_failed_samples_read_in_a_browser(ui_server: Cluster, tiny_model_dir: Pa
                 assert (cells["reason"], cells["class"]) == (f["reason"], f["class"]), (f, cells)
             assert not LITERAL_NEWLINE.search(text)
 
-        browser.open(f"{base}/v2/artifacts/artifact/{artifacts['failure-summary']['id']}")
+        browser.open(f"{base}/v2/artifacts/artifact/{artifacts['failure-summary-run']['id']}")
         text = browser.wait_for(lambda t: "What a rerun with the same parameters changes" in t, "the failure summary")
         browser.screenshot("failure-summary")
         assert not LITERAL_NEWLINE.search(text) and not text.lstrip().startswith('"')
         assert "max_failed_rate" in text and "retried by the next run" in text
 
-        browser.open(f"{base}/v2/artifacts/artifact/{artifacts['validation-summary']['id']}")
+        browser.open(f"{base}/v2/artifacts/artifact/{artifacts['validation-summary-run']['id']}")
         text = browser.wait_for(lambda t: "metric" in t and "B3" in t, "the validation summary")
         browser.screenshot("validation-summary")
 
