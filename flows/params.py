@@ -24,13 +24,19 @@ from tasks.common.errors import ConfigError
 
 # JSON Schema the Prefect server checks a run's parameters against before it stores them (the deployments set
 # `enforce_parameter_schema`): the model validator below runs only in the flow, after the server had already
-# written a key typed into the Run form to its database and shown it on the run's Parameters tab. Property
-# names only, so the refusal the server returns does not quote the key either.
-_NO_KEY_IN_ENDPOINT: dict[str, Any] = {"type": "object", "propertyNames": {"not": {"const": "api_key"}}}
-_NO_KEY_IN_CONFIG: dict[str, Any] = {"properties": {"endpoint": _NO_KEY_IN_ENDPOINT}}
+# written a key typed into the Run form to its database and shown it on the run's Parameters tab. On property
+# names only, so the refusal the server returns does not quote the key; and without `properties`, which the UI's
+# form renders as sub-fields (an "Endpoint" field under Overrides replaced the whole endpoint section). Patterns
+# are portable (no inline flags), as the browser checks them too.
+_KEY_LIKE = r"[Aa][Pp][Ii][_-]?[Kk][Ee][Yy](?![_-]?[Ee][Nn][Vv])"
+"""`api_key`, `API_KEY`, `api-key`, but not `api_key_env` (the name of an environment variable)"""
 _NO_KEY_IN_OVERRIDES: dict[str, Any] = {
-    "propertyNames": {"not": {"pattern": r"^endpoint\.api_key$"}},
-    "properties": {"endpoint": _NO_KEY_IN_ENDPOINT},
+    # a whole `endpoint` section as one override replaces the block's (and carries a key unseen)
+    "propertyNames": {"not": {"anyOf": [{"pattern": r"^\s*endpoint\s*$"}, {"pattern": _KEY_LIKE}]}},
+}
+_NO_KEY_IN_CONFIG: dict[str, Any] = {
+    "propertyNames": {"not": {"anyOf": [{"pattern": r"\."}, {"pattern": _KEY_LIKE}]}},
+    "patternProperties": {"^endpoint$": {"type": "object", "propertyNames": {"not": {"pattern": _KEY_LIKE}}}},
 }
 
 

@@ -84,14 +84,20 @@ def test_part_slices_partition_the_parts() -> None:
     "params",
     [
         {"config_path": "a.yaml", "overrides": {"endpoint.api_key": "sk-typed-KEY"}},
+        {"config_path": "a.yaml", "overrides": {"endpoint.API_KEY": "sk-typed-KEY"}},
+        {"config_path": "a.yaml", "overrides": {"endpoint.api_key ": "sk-typed-KEY"}},
         {"config_path": "a.yaml", "overrides": {"endpoint": {"model": "m", "api_key": "sk-typed-KEY"}}},
         {"config": {**INLINE, "endpoint": {"model": "m", "api_key": "sk-typed-KEY"}}},
+        {"config": {**INLINE, "endpoint": {"model": "m", "Api-Key": "sk-typed-KEY"}}},
+        {"config": {**INLINE, "endpoint.api_key": "sk-typed-KEY"}},
     ],
 )
 def test_the_prefect_server_refuses_a_key_in_the_run_form_before_storing_it(params: dict[str, object]) -> None:
     """The deployments enforce their parameter schema on the server, before the run is written to its database;
     the model's own check ran only in the flow, after a key typed into the form was stored and shown on the run's
-    Parameters tab. Checked with the validator the server calls, on the schema `prefect deploy` records."""
+    Parameters tab. Checked with the validator the server calls, on the schema `prefect deploy` records. The schema
+    has no `properties` for these fields: the UI's form rendered those as an "Endpoint" sub-field whose input
+    replaced the whole endpoint section."""
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.schema_tools import validate
     from prefect.utilities.schema_tools.validation import ValidationError as SchemaError
@@ -101,8 +107,10 @@ def test_the_prefect_server_refuses_a_key_in_the_run_form_before_storing_it(para
     schema = parameter_schema(pipeline).model_dump_for_openapi()
     with pytest.raises(SchemaError) as refused:
         validate({"run": params}, schema, raise_on_error=True)
-    assert "api_key" in str(refused.value) and "typed-KEY" not in str(refused.value)
-    fine = {**params, "overrides": {"endpoint.max_in_flight": 8}}
+    assert "typed-KEY" not in str(refused.value)
+    fine = {**params, "overrides": {"endpoint.max_in_flight": 8, "endpoint.api_key_env": "OPENROUTER_API_KEY"}}
     if "config" in fine:
         fine["config"] = INLINE
     assert validate({"run": fine}, schema, raise_on_error=True) == []
+    fields = schema["definitions"]["RunParameters"]["properties"]
+    assert "properties" not in fields["overrides"] and "properties" not in fields["config"]
