@@ -109,6 +109,11 @@ class FailureRule(BaseModel):
     attempts: int | None = Field(default=1, ge=1)
     retry_after_s: float | None = Field(default=None, ge=0.0)
     hang_s: float = Field(default=30.0, ge=0.0)
+    names_generation: bool = Field(
+        default=False,
+        description='"http": the error carries X-Generation-Id although nothing was generated or billed (no '
+        "generation record is ever written)",
+    )
 
 
 class SimConfig(BaseModel):

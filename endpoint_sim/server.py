@@ -223,7 +223,7 @@ async def _reset_midway(state: SimState, request: web.Request, body: bytes) -> w
 
 
 def _failure_response(
-    state: SimState, request: web.Request, rule: FailureRule, attempt: int, prompt_len: int
+    state: SimState, request: web.Request, rule: FailureRule, attempt: int, prompt_len: int, key: str
 ) -> web.Response:
     if rule.kind == "context_length":
         limit = max(1, prompt_len // 2)
@@ -245,8 +245,12 @@ def _failure_response(
         return state.respond(400, _error(400, f"simulated: request rejected for Authorization {auth!r}"))
     if rule.kind in ("reset", "disconnect"):
         return _drop_connection(state, request, rule.kind)
-    headers = {"Retry-After": f"{rule.retry_after_s:g}"} if rule.retry_after_s is not None else None
-    return state.respond(rule.status, _error(rule.status, f"simulated HTTP {rule.status} (attempt {attempt})"), headers)
+    headers = {"Retry-After": f"{rule.retry_after_s:g}"} if rule.retry_after_s is not None else {}
+    if rule.names_generation:
+        headers[GENERATION_ID_HEADER] = f"gen-{attempt}-{key}"
+    return state.respond(
+        rule.status, _error(rule.status, f"simulated HTTP {rule.status} (attempt {attempt})"), headers or None
+    )
 
 
 def _int_or_none(value: Any, name: str) -> int | None:
@@ -320,7 +324,7 @@ async def _admit(
         if rule.kind in _RESPONSE_KINDS:
             if delay > 0:
                 await asyncio.sleep(delay)
-            return _failure_response(state, request, rule, attempt, len(prompt_ids))
+            return _failure_response(state, request, rule, attempt, len(prompt_ids), key)
     if getattr(state.responder, "model_backed", False):  # endpoint_sim.model_backend: batched, off the loop
         sample = await state.responder.sample_async(*sample_args, limit=limit)  # type: ignore[attr-defined]
     else:

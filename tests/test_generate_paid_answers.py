@@ -371,3 +371,27 @@ def test_a_cost_written_as_a_string_is_read_and_one_no_bill_can_hold_is_settled_
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
     settled = dict(totals.settled_by)
     assert settled == ({} if encoding == "string" else {"generation": PROMPTS})
+
+
+def test_an_error_naming_a_generation_that_was_never_recorded_settles_at_zero_once_old(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error status naming a generation is pending until its record says what it cost; a provider that names
+    generations it never bills writes no record, and 21 such 503s stayed pending at worst case for good, stopping
+    every later run at its cap. A lookup that finds no record settles it at $0 once the attempt is older than the
+    records' grace; a younger one stays pending."""
+    from tasks.generate import settlement
+
+    rule = FailureRule(kind="http", status=500, rate=1.0, attempts=1, names_generation=True)
+    sim_cfg = SimConfig(seed=20, failures=(rule,))
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "stream")
+    assert summary["done"] == PROMPTS and summary["retries_by_reason"] == {"http_500": PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == PROMPTS, "younger than the grace: a record may still appear"
+
+    monkeypatch.setattr(settlement, "ABSENT_RECORD_GRACE_S", 0.0)
+    again = tmp_path / "again"
+    again.mkdir()
+    summary, provider = _run(again, tokenizer_dir, sim_cfg, "stream")
+    totals = SpendLedger.load(again).totals()
+    assert totals.pending_attempts == 0 and totals.counted_usd == pytest.approx(provider, abs=1e-12)

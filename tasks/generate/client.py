@@ -58,7 +58,7 @@ from tasks.generate.endpoints import (
     reported_cost,
     usd_number,
 )
-from tasks.generate.health import UNAVAILABLE_STATUS, probe_url
+from tasks.generate.health import UNAVAILABLE_STATUS, UPSTREAM_TIMEOUT_STATUS, probe_url
 from tasks.generate.ledger import LedgerWriter, Outcome
 from tasks.generate.progress import RunEvent, emit_event
 from tasks.generate.sse import StreamAssembler
@@ -73,9 +73,6 @@ RETRYABLE_FINISH = frozenset({"error", "abort"})
 # Failures that say the endpoint as a whole may be unreachable or overloaded, not that this sample is bad.
 OUTAGE_REASONS = frozenset({"connect", "connection", "timeout", "http_502", "http_503", "http_504"})
 GENERATION_ID_HEADER = "X-Generation-Id"
-# Timeouts reported by the server side after the request was accepted (a request timeout, a client-closed
-# request, Cloudflare's origin timeout): the upstream may have generated, and billed, the whole answer.
-UPSTREAM_TIMEOUT_STATUS = frozenset({408, 499, 524})
 # Connection failures raised while a new connection is established, before the request is written: `unsent`.
 NEVER_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "context window", "too many tokens")
@@ -957,36 +954,43 @@ class EndpointClient:
             raise SampleFatalError("context_length", message, billed, generation_id)
         raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}", billed, generation_id)
 
-    async def lookup_cost(self, generation_id: str, delays_s: tuple[float, ...] | None = None) -> float | None:
+    async def lookup_cost(
+        self, generation_id: str, delays_s: tuple[float, ...] | None = None, absent_usd: float | None = None
+    ) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
         retried after each of `delays_s`, and so is a record that costs nothing and counts no tokens (one still
         being written: taken as final, it settled paid answers at $0 and let the cap stop nothing), unless it says
         the generation was `cancelled` (a request cut before its first token: a real $0, which left attempts
         pending at worst case forever). A free model's record counts its tokens. None when no record appears:
-        reconciliation is best-effort."""
+        reconciliation is best-effort. `absent_usd`: what to return when every lookup answered 404 (the provider
+        has no such generation), for an attempt whose absent record means it was not billed."""
         if self._session is None:
             return None
         url = generation_lookup_url(self.cfg, generation_id)
+        only_404 = True
         for delay in (0.0, *(LOOKUP_DELAYS_S if delays_s is None else delays_s)):
             if delay:
                 await asyncio.sleep(delay)
             try:
                 async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=LOOKUP_TIMEOUT_S)) as resp:
+                    only_404 = only_404 and resp.status == 404
                     if resp.status == 404 or resp.status == 429 or resp.status >= 500:
                         continue
                     if resp.status != 200:
                         return None
                     body = await resp.json(content_type=None)
             except (TimeoutError, aiohttp.ClientError, ValueError):
+                only_404 = False
                 continue
             data = body.get("data") if isinstance(body, dict) else None
             cost = record_cost(data) if isinstance(data, dict) else None
             if cost is None or not isinstance(data, dict):
                 return None
             if cost == 0 and not _counts_tokens(data) and data.get("cancelled") is not True:
+                only_404 = False
                 continue
             return cost
-        return None
+        return absent_usd if only_404 else None
 
 
 RECORD_TOKEN_FIELDS = (

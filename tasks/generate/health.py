@@ -9,6 +9,9 @@ from tasks.common.config import EndpointConfig
 from tasks.common.errors import EndpointUnavailableError
 
 UNAVAILABLE_STATUS = frozenset({502, 503, 504})
+# Timeouts reported by the server side after the request was accepted (a request timeout, a client-closed
+# request, Cloudflare's origin timeout): the upstream may have generated, and billed, the whole answer.
+UPSTREAM_TIMEOUT_STATUS = frozenset({408, 499, 524})
 
 
 def probe_url(cfg: EndpointConfig) -> str:

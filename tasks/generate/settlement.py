@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import aiohttp
 
 from tasks.common.config import PipelineConfig
+from tasks.generate.health import UPSTREAM_TIMEOUT_STATUS
 from tasks.generate.ledger import Attempt, LedgerWriter, SpendLedger
 from tasks.generate.progress import RunEvent, emit_event, format_usd
 
@@ -39,6 +40,8 @@ LOOKUP_CONCURRENCY = 256
 # ids the provider never recorded. At a run's end its own cut requests may still be indexing.
 LOOKUP_BEFORE_RUN_S = (1.0,)
 LOOKUP_AFTER_RUN_S = (0.5, 1.0, 2.0, 4.0)
+ABSENT_RECORD_GRACE_S = 30.0
+"""How old an error-status attempt must be before a missing generation record settles it at $0."""
 ACCOUNT_POLL_S = 0.5
 # Account usage is a float the provider rounds: differences this small (absolute, or relative to what is known
 # billed in the window) are rounding, not another user of the key.
@@ -202,12 +205,14 @@ class Settler:
         if not pending:
             return
         gate = asyncio.Semaphore(LOOKUP_CONCURRENCY)
+        now = time.time()
 
-        async def one(generation_id: str) -> float | None:
+        async def one(uid: str, generation_id: str) -> float | None:
             async with gate:
-                return await self.client.lookup_cost(generation_id, delays_s)
+                absent = 0.0 if unbilled_unless_recorded(self.ledger.attempts[uid], now) else None
+                return await self.client.lookup_cost(generation_id, delays_s, absent)
 
-        costs = await asyncio.gather(*(one(gid) for _, gid, _ in pending))
+        costs = await asyncio.gather(*(one(uid, gid) for uid, gid, _ in pending))
         settled = [(uid, cost) for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is not None]
         if remember_misses:
             self._not_found.update(uid for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is None)
@@ -292,6 +297,21 @@ class Settler:
 
     def _event(self, message: str) -> None:
         emit_event(RunEvent("settled", message, time.monotonic() - self.client.started))
+
+
+def unbilled_unless_recorded(attempt: Attempt, now: float) -> bool:
+    """An error status that named a generation (`X-Generation-Id` on a 429, 502, 503, a 4xx) is pending until its
+    record says what it cost; a provider that names generations it never bills writes no record, and such attempts
+    stayed pending at worst case for good: 21 unbilled 503s stopped every later run at its cap. Once the attempt is
+    `ABSENT_RECORD_GRACE_S` old (records appear seconds after the answer), a lookup that finds no record settles
+    it at $0. Timeouts the server reported (408, 499, 524) stay pending: the upstream may have finished and billed."""
+    code = (attempt.reason or "").removeprefix("http_")
+    return (
+        code.isdigit()
+        and int(code) not in UPSTREAM_TIMEOUT_STATUS
+        and attempt.sent_at is not None
+        and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
+    )
 
 
 def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None:
