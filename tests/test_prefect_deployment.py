@@ -196,5 +196,5 @@ def test_nightly_rerun_after_a_faulty_night_completes_every_stage(
     assert set(index["sample_id"].to_pylist()) == kept
 
     artifacts = c.api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [nights[1][0]]}}})
-    markdown = next(a for a in artifacts if a["key"] == "run-status-run")
+    markdown = next(a for a in artifacts if a["key"] == "run-status-nightly")
     assert "**consistent**" in markdown["data"]
