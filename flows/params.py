@@ -36,7 +36,9 @@ _NO_KEY_IN_OVERRIDES: dict[str, Any] = {
 }
 _NO_KEY_IN_CONFIG: dict[str, Any] = {
     "propertyNames": {"not": {"anyOf": [{"pattern": r"\."}, {"pattern": _KEY_LIKE}]}},
-    "patternProperties": {"^endpoint$": {"type": "object", "propertyNames": {"not": {"pattern": _KEY_LIKE}}}},
+    "patternProperties": {  # `Endpoint`, `endpoint `: refused later by the config, but stored by then
+        r"^\s*[Ee][Nn][Dd][Pp][Oo][Ii][Nn][Tt]\s*$": {"propertyNames": {"not": {"pattern": _KEY_LIKE}}}
+    },
 }
 
 

@@ -90,6 +90,7 @@ def test_part_slices_partition_the_parts() -> None:
         {"config": {**INLINE, "endpoint": {"model": "m", "api_key": "sk-typed-KEY"}}},
         {"config": {**INLINE, "endpoint": {"model": "m", "Api-Key": "sk-typed-KEY"}}},
         {"config": {**INLINE, "endpoint.api_key": "sk-typed-KEY"}},
+        {"config": {**INLINE, "Endpoint ": {"api_key": "sk-typed-KEY"}}},
     ],
 )
 def test_the_prefect_server_refuses_a_key_in_the_run_form_before_storing_it(params: dict[str, object]) -> None:
