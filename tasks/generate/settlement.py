@@ -305,7 +305,7 @@ def unbilled_unless_recorded(attempt: Attempt, now: float) -> bool:
     stayed pending at worst case for good: 21 unbilled 503s stopped every later run at its cap. Once the attempt is
     `ABSENT_RECORD_GRACE_S` old (records appear seconds after the answer), a lookup that finds no record settles
     it at $0. Timeouts the server reported (408, 499, 524) stay pending: the upstream may have finished and billed."""
-    code = (attempt.reason or "").removeprefix("http_")
+    code = "400" if attempt.reason == "context_length" else (attempt.reason or "").removeprefix("http_")
     return (
         code.isdigit()
         and int(code) not in UPSTREAM_TIMEOUT_STATUS
