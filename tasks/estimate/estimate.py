@@ -138,7 +138,7 @@ def _response_rows(run_dir: Path) -> Iterator[dict[str, Any]]:
 def samples_not_sent(cfg: PipelineConfig) -> tuple[set[str], set[str]]:
     """(done, failed and kept): the samples the next generate run sends no request for, as the engine decides
     (`tasks.generate.rerun_policy.resend`, with the ledger's record of each deterministic failure)."""
-    from tasks.generate.rerun_policy import resend, settings_fingerprint
+    from tasks.generate.rerun_policy import RerunRules
 
     done: set[str] = set()
     failed: list[dict[str, Any]] = []
@@ -149,16 +149,8 @@ def samples_not_sent(cfg: PipelineConfig) -> tuple[set[str], set[str]]:
             failed.append(row)
     if not failed:
         return done, set()
-    fingerprint = settings_fingerprint(cfg)
-    failed_with = SpendLedger.load(cfg.run_dir).deterministic
-    retry_failed, max_tokens = cfg.endpoint.retry_failed, cfg.sampling.max_tokens
-    kept = {
-        r["sample_id"]
-        for r in failed
-        if r["sample_id"] not in done
-        and not resend(r, fingerprint, failed_with.get(r["sample_id"]), retry_failed, max_tokens)
-    }
-    return done, kept
+    rules = RerunRules.of(cfg, SpendLedger.load(cfg.run_dir).deterministic)
+    return done, {r["sample_id"] for r in failed if r["sample_id"] not in done and not rules.sends(r["sample_id"], r)}
 
 
 def recorded_spend(run_dir: Path) -> SpendTotals:

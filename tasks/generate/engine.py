@@ -67,7 +67,7 @@ from tasks.generate.journal import AppendLog
 from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
 from tasks.generate.progress import Listener, ProgressSnapshot, RunEvent, emit, emit_event, format_usd
 from tasks.generate.reasoning_guard import UnexpectedReasoning
-from tasks.generate.rerun_policy import resend, settings_fingerprint
+from tasks.generate.rerun_policy import RerunRules, settings_fingerprint
 from tasks.generate.run_lock import run_dir_lock
 from tasks.generate.settlement import Settler, pending_notice
 from tasks.reconstruct.multiturn import ConversationTurn, template_messages
@@ -252,15 +252,7 @@ def _empty_row(sample_id: str, dataset: str) -> dict[str, Any]:
     return row
 
 
-@dataclass(frozen=True)
-class _RerunRules:
-    fingerprint: str
-    failed_with: dict[str, tuple[str, str]]
-    retry_failed: str
-    max_tokens: int
-
-
-def _load_part(prompts: PartRef, journaled: list[dict[str, Any]], rules: _RerunRules) -> _PartState:
+def _load_part(prompts: PartRef, journaled: list[dict[str, Any]], rules: RerunRules) -> _PartState:
     """The part's state from its finished part, chunks and journal rows; `todo` is what this run sends."""
     out = prompts.with_stage(STAGE)
     table = read_part(prompts, columns=["sample_id", "dataset", "messages", "sample_index"])
@@ -289,11 +281,7 @@ def _load_part(prompts: PartRef, journaled: list[dict[str, Any]], rules: _RerunR
             merge_row(rows, row)
             buffer.append(row)
     next_chunk = max((chunk_index(p) for p in chunks), default=-1) + 1
-    todo = [
-        item
-        for sid, item in items.items()
-        if resend(rows.get(sid), rules.fingerprint, rules.failed_with.get(sid), rules.retry_failed, rules.max_tokens)
-    ]
+    todo = [item for sid, item in items.items() if rules.sends(sid, rows.get(sid))]
     done = sum(1 for sid in items if rows.get(sid, {}).get("status") == "done")
     summary = PartSummary(
         part=prompts.part, samples=len(items), skipped_already_done=done, kept_failed=len(items) - len(todo) - done
@@ -787,7 +775,7 @@ def _generate_locked(
 ) -> GenerateSummary:
     ep = cfg.endpoint
     ledger = SpendLedger.load(cfg.run_dir)
-    rules = _RerunRules(settings_fingerprint(cfg), ledger.deterministic, ep.retry_failed, cfg.sampling.max_tokens)
+    rules = RerunRules.of(cfg, ledger.deterministic)
     parts = {ref.part for ref in prompt_refs}
     old_journals = journal_paths(cfg.run_dir)
     journaled: dict[int, list[dict[str, Any]]] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.common.config import PipelineConfig
@@ -55,3 +56,23 @@ def resend(
         return failed_with[1] != fingerprint
     used = row.get("completion_tokens")
     return row.get("failure_reason") == "length" and used is not None and max_tokens > used
+
+
+@dataclass(frozen=True)
+class RerunRules:
+    """`resend`'s settings for one run, bound once: the generate engine, `status` (which parts a run sends) and the
+    estimate (what a rerun buys) decide alike. `failed_with`: the ledger's deterministic failures
+    (`SpendLedger.deterministic`)."""
+
+    fingerprint: str
+    failed_with: dict[str, tuple[str, str]]
+    retry_failed: str
+    max_tokens: int
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig, failed_with: dict[str, tuple[str, str]]) -> RerunRules:
+        return cls(settings_fingerprint(cfg), failed_with, cfg.endpoint.retry_failed, cfg.sampling.max_tokens)
+
+    def sends(self, sample_id: str, row: dict[str, Any] | None) -> bool:
+        """Whether this run sends the sample whose committed row (None: none yet) is `row`."""
+        return resend(row, self.fingerprint, self.failed_with.get(sample_id), self.retry_failed, self.max_tokens)

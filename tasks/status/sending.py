@@ -25,12 +25,10 @@ def _failed_rows(ref: PartRef) -> list[dict[str, Any]]:
 
 def parts_to_send(cfg: PipelineConfig, parts: list[int]) -> list[int]:
     """Prompts parts whose responses part is missing, stale, unfinished, or holds a row the next run sends again."""
-    from tasks.generate.rerun_policy import resend, settings_fingerprint
+    from tasks.generate.rerun_policy import RerunRules
 
     todo: list[int] = []
-    failed_with: dict[str, tuple[str, str]] | None = None
-    fingerprint = settings_fingerprint(cfg)
-    retry_failed, max_tokens = cfg.endpoint.retry_failed, cfg.sampling.max_tokens
+    rules: RerunRules | None = None
     for part in parts:
         ref = PartRef(cfg.run_dir, "responses", part)
         if not is_current(ref, expected_build(ref)):
@@ -43,13 +41,15 @@ def parts_to_send(cfg: PipelineConfig, parts: list[int]) -> list[int]:
         if set(counts) <= {"done"}:
             continue
         failed = _failed_rows(ref)
-        if retry_failed == "all" or any(failure_class(r["failure_reason"]) != "deterministic" for r in failed):
+        if cfg.endpoint.retry_failed == "all" or any(
+            failure_class(r["failure_reason"]) != "deterministic" for r in failed
+        ):
             todo.append(part)
             continue
-        if failed_with is None:
+        if rules is None:
             from tasks.generate.ledger import SpendLedger
 
-            failed_with = SpendLedger.load(cfg.run_dir).deterministic
-        if any(resend(r, fingerprint, failed_with.get(r["sample_id"]), retry_failed, max_tokens) for r in failed):
+            rules = RerunRules.of(cfg, SpendLedger.load(cfg.run_dir).deterministic)
+        if any(rules.sends(r["sample_id"], r) for r in failed):
             todo.append(part)
     return todo
