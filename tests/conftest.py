@@ -2,11 +2,13 @@
 
 Prefect reads its settings at import, so the environment is set here before any test module imports it. It also
 binds its console log handler to the sys.stdout of the moment `prefect.main` is first imported: a CLI test importing
-it first under `capsys` left every later flow logging into that test's closed capture stream, so it is imported here.
+it first under `capsys` left every later flow logging into that test's closed capture stream, so it is imported here
+(where installed: `bench/gpu_extract.sh` runs the CUDA tests on a GPU host that has no Prefect).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -21,7 +23,8 @@ os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import prefect.main  # noqa: E402, F401  (its console log handler bound to the session's streams, see above)
+with contextlib.suppress(ModuleNotFoundError):  # a bare GPU host (bench/gpu_extract.sh) carries no Prefect
+    import prefect.main  # noqa: F401  (its console log handler bound to the session's streams, see above)
 import pytest  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
@@ -79,6 +82,7 @@ def prefect_harness() -> Iterator[None]:
     """One API server for the in-process flow tests. Flow-run heartbeats are off here, as for the CLI's own
     temporary server (flows/cli.py): nothing watches these runs for crashes, and each flow run would otherwise
     wait up to a second for the heartbeat thread at its end (the deployment tests keep them on)."""
+    pytest.importorskip("prefect", reason="Prefect is not installed (a bare GPU host running bench/gpu_extract.sh)")
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
