@@ -10,7 +10,8 @@
    `train_data_ratio` that puts exactly the export's training prompts first, and the draft-vocabulary files
    (`token_freq.pt`, `d2t-N.npy` / `t2d-N.npy` built with speculators' own utility);
 3. calls speculators' `train.cli.main` with a `TrainConfig` built from `TrainOptions`, under `cpu_trainer()` when
-   no accelerator exists (see `cpu_shim`), capturing the trainer's own metric records;
+   no accelerator exists (see `cpu_shim`) and with its fused loss made compilable on a GPU (`fused_loss`),
+   capturing the trainer's own metric records;
 4. writes `<out>/train_summary.json` (atomically) naming the checkpoint directory, which loads with
    `Eagle3DraftModel.from_pretrained`.
 
@@ -37,6 +38,7 @@ from unittest import mock
 from tasks.common.errors import ConfigError
 from tasks.common.shards import atomic_write_text, done_parts, fingerprint, part_name, read_provenance
 from tasks.train.cpu_shim import accelerator_available, cpu_train_dtype, cpu_trainer
+from tasks.train.fused_loss import fused_loss_compilable
 
 SPECULATORS_VERSION = "0.9.0"
 SUMMARY_NAME = "train_summary.json"
@@ -353,7 +355,9 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
     from speculators.train.cli import main as speculators_train
 
     train_started = time.monotonic()
-    with captured_metrics() as metrics, cpu_trainer():
+    with captured_metrics() as metrics, cpu_trainer(), fused_loss_compilable() as unshared:
+        if unshared:
+            logging.getLogger(__name__).info("fused loss: backward autotuner's own copy of %s", ", ".join(unshared))
         speculators_train(cfg)
     train_s = time.monotonic() - train_started
     checkpoint = latest_checkpoint(out)
