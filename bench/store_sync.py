@@ -68,7 +68,12 @@ def main() -> None:
     parser.add_argument("--intervals", type=int, default=60)
     parser.add_argument("--answers", type=int, default=1000, help="answers journaled per interval")
     parser.add_argument("--answer-bytes", type=int, default=1190)
-    parser.add_argument("--whole-every", type=int, default=15, help="upload the whole log every N intervals")
+    parser.add_argument(
+        "--whole-every",
+        type=int,
+        default=15,
+        help="upload the whole log every N intervals (and after the last)",
+    )
     args = parser.parse_args()
 
     proc, s3_url = start_s3()
@@ -91,7 +96,7 @@ def main() -> None:
             started = time.perf_counter()
             mirror.push()
             piece_s.append(time.perf_counter() - started)
-            if interval % args.whole_every == 0:
+            if interval % args.whole_every == 0 or interval == args.intervals:
                 size = journal.path.stat().st_size
                 started = time.perf_counter()
                 store.push_file(journal.path, f"bench-whole/{journal.path.name}")
@@ -122,8 +127,8 @@ def main() -> None:
                     "uploaded_mb": round(mirror.stats.bytes / 1e6, 1),
                     "piece_push_s_median": round(statistics.median(piece_s), 4),
                     "piece_push_s_last": round(piece_s[-1], 4),
-                    "piece_push_s_first_quarter": round(statistics.median(piece_s[: len(piece_s) // 4]), 4),
-                    "piece_push_s_last_quarter": round(statistics.median(piece_s[-len(piece_s) // 4 :]), 4),
+                    "piece_push_s_first_quarter": round(statistics.median(piece_s[: max(1, len(piece_s) // 4)]), 4),
+                    "piece_push_s_last_quarter": round(statistics.median(piece_s[-max(1, len(piece_s) // 4) :]), 4),
                     "whole_push_s": [{"log_mb": w["log_mb"], "seconds": round(w["seconds"], 4)} for w in whole],
                     "ratio_interval_cost_piece_vs_whole_at_final": round(piece_s[-1] / last_whole["seconds"], 4),
                     "pull_pieces_s": round(pull_pieces_s, 3),
