@@ -244,6 +244,8 @@ class _Answer:
     outcome: SampleOutcome
     seed: int | None
     history: list[dict[str, Any]] | None = None
+    row: dict[str, Any] | None = None
+    """the responses row, built and journaled by the request's own task the moment the answer is in"""
 
 
 def _empty_row(sample_id: str, dataset: str) -> dict[str, Any]:
@@ -375,14 +377,25 @@ class _Run:
                 yield state, item
 
     async def process(self, state: _PartState, item: _WorkItem) -> tuple[_PartState, _WorkItem, _Answer]:
+        """One sample's requests; its row goes to the journal here, as soon as the answer is in, not when the
+        engine's loop gets to `record` it: at 2,000 in flight that loop trails the answers (a part commit holds
+        it), and a `kill -9` then lost answers the spend ledger already showed as paid (34 and 116 in two kills
+        of an independent probe), bought again by the rerun."""
+        answer = await self._answer(state, item)
+        answer.row = self.row_of(item, answer)
+        if answer.row is not None and self.journal is not None:
+            self.journal.submit({"p": state.prompts.part, "r": answer.row})
+        return state, item, answer
+
+    async def _answer(self, state: _PartState, item: _WorkItem) -> _Answer:
         seed = request_seed(self.cfg, item.sample_index)
         tag = AttemptTag(item.sample_id, item.dataset, state.prompts.part)
         if self.cfg.sampling.regenerate == "every_turn":
-            return state, item, await self._every_turn(item, seed, tag)
+            return await self._every_turn(item, seed, tag)
         messages = prompt_messages(item.messages)
         if not any(m["role"] == "user" for m in messages):
-            return state, item, _Answer(SampleOutcome(None, "empty_prompt", "prompt has no user turn", 0, None), seed)
-        return state, item, _Answer(await self.client.generate(messages, item.sample_index, tag), seed)
+            return _Answer(SampleOutcome(None, "empty_prompt", "prompt has no user turn", 0, None), seed)
+        return _Answer(await self.client.generate(messages, item.sample_index, tag), seed)
 
     async def _every_turn(self, item: _WorkItem, seed: int | None, tag: AttemptTag) -> _Answer:
         """Answer each user turn in order, feeding the target's own answers back as history; the dataset's
@@ -425,23 +438,18 @@ class _Run:
         outcome.attempts, outcome.cost_usd, outcome.retry_reasons = attempts, cost, retries
         return _Answer(outcome, seed, [dict(t) for t in turns])
 
-    def record(self, state: _PartState, item: _WorkItem, answer: _Answer) -> None:
+    def row_of(self, item: _WorkItem, answer: _Answer) -> dict[str, Any] | None:
+        """The sample's responses row; None for a request the budget stopped before sending (no row, so the
+        sample stays pending and a rerun sends it)."""
         outcome = answer.outcome
-        summary = state.summary
-        summary.requests_sent += outcome.attempts
-        for retry in outcome.retry_reasons:
-            summary.retries_by_reason[retry] = summary.retries_by_reason.get(retry, 0) + 1
-        summary.cost_usd += outcome.cost_usd
         if outcome.budget_stopped and outcome.attempts == 0:
-            return  # never sent: no row, so the sample stays pending and a rerun sends it
+            return None
         row = _empty_row(item.sample_id, item.dataset)
         row.update(attempts=outcome.attempts, latency_s=outcome.latency_s, request_seed=answer.seed)
         reason, error = outcome.reason, outcome.error
         result = outcome.result
         if result is not None:
             row.update({name: getattr(result, name) for name in RESULT_FIELDS})
-            summary.prompt_tokens += result.prompt_tokens or 0
-            summary.completion_tokens += result.completion_tokens or 0
             if answer.history is not None:
                 row["history"] = answer.history
             if result.finish_reason == "length" and not self.cfg.endpoint.keep_length_truncated:
@@ -450,9 +458,29 @@ class _Run:
         row["cost_usd"] = outcome.cost_usd if (result is not None or outcome.cost_usd) else None
         if reason is None:
             row["status"] = "done"
-            summary.done += 1
         else:
             row.update(status="failed", error=self.client.redact(error or reason), failure_reason=reason)
+        return row
+
+    def record(self, state: _PartState, item: _WorkItem, answer: _Answer) -> None:
+        """Counts the answer `process` journaled and buffers its row for the part's next commit."""
+        outcome = answer.outcome
+        summary = state.summary
+        summary.requests_sent += outcome.attempts
+        for retry in outcome.retry_reasons:
+            summary.retries_by_reason[retry] = summary.retries_by_reason.get(retry, 0) + 1
+        summary.cost_usd += outcome.cost_usd
+        row = answer.row
+        if row is None:
+            return
+        result = outcome.result
+        if result is not None:
+            summary.prompt_tokens += result.prompt_tokens or 0
+            summary.completion_tokens += result.completion_tokens or 0
+        reason = row["failure_reason"]
+        if row["status"] == "done":
+            summary.done += 1
+        else:
             summary.failed += 1
             summary.failures_by_reason[reason] = summary.failures_by_reason.get(reason, 0) + 1
             kind = failure_class(reason)
@@ -460,8 +488,6 @@ class _Run:
             if kind == "deterministic" and self.ledger is not None:
                 self.ledger.deterministic_failure(item.sample_id, reason, self.fingerprint)
         merge_row(state.rows, row)
-        if self.journal is not None:
-            self.journal.submit({"p": state.prompts.part, "r": row})
         state.buffer.append(row)
         state.outstanding -= 1
         self.complete_parts += state.outstanding == 0
