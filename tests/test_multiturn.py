@@ -103,3 +103,26 @@ def test_conversation_must_end_with_the_generated_turn() -> None:
     bad: list[ConversationTurn] = [{"role": "user", "content": "x", "generated": True}, CONVERSATION[-1]]
     with pytest.raises(ValueError, match="marked generated"):
         build_multiturn_sequence(tok, PRESETS["qwen3_thinking"], bad)
+
+
+@pytest.mark.parametrize("empty", ["", "  \n"])
+def test_an_empty_earlier_answer_masks_nothing_instead_of_stopping_the_part(empty: str) -> None:
+    """GLM renders an earlier assistant turn's content only `if content.strip()`: an empty earlier answer (the
+    engine feeds back whatever the target wrote) made the span search raise a ConfigError that stopped the whole
+    reconstruct part without naming the sample. Nothing the model wrote there can be masked; the rest is."""
+    from tasks.reconstruct.completion_format import resolve_format
+
+    kwargs = {"enable_thinking": True}
+    tok = F.shared("glm_46")
+    fmt = resolve_format("auto", tok, kwargs)
+    turns: list[ConversationTurn] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say nothing."},
+        {"role": "assistant", "content": empty, "reasoning": "Nothing to say.", "generated": True},
+        {"role": "user", "content": "Now name a prime."},
+        {"role": "assistant", "content": "Seven.", "reasoning": "Small.", "generated": True},
+    ]
+    seq = build_multiturn_sequence(tok, fmt, turns, template_kwargs=kwargs)
+    assert not any(s.turn == 2 and s.kind == "history_content" for s in seq.spans)
+    masked = decode(tok, [t for t, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m])
+    assert masked.endswith(completion_text(fmt, "Small.", "Seven.")) and "Be brief" not in masked

@@ -159,6 +159,8 @@ def build_multiturn_sequence(
             found = _locate(tokenizer, messages, context, i, REASONING_KEYS, kwargs)
             if found is not None:
                 char_spans.append((i, "reasoning", *found))
+        if not (t.get("content") or "").strip():
+            continue  # an empty earlier answer: nothing to mask, and templates drop it (GLM's `content.strip()`)
         found = _locate(tokenizer, messages, context, i, ("content",), kwargs)
         if found is None:
             raise ConfigError(f"chat template does not render turn {i}'s content")

@@ -27,7 +27,7 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig, ReconstructConfig
-from tasks.common.errors import ReconstructionError
+from tasks.common.errors import ConfigError, ReconstructionError
 from tasks.common.messages import Message, prompt_messages
 from tasks.common.shards import PartRef, expected_build, is_current, read_marker, read_part, write_part
 from tasks.reconstruct.completion_format import (
@@ -336,7 +336,7 @@ def _multiturn_rows(
                 template_kwargs=with_clock(template_kwargs, s.sent_at_s),
                 output_ids=s.output_ids if rcfg.token_ids == "model" else None,
             )
-        except ValueError as exc:
+        except (ValueError, ConfigError) as exc:  # the template's view of this conversation: named by sample
             raise ReconstructionError(s.sample_id, str(exc)) from exc
         _check_prompt_ids(s, seq.input_ids[: seq.prompt_len])
         seqs.append(seq)
