@@ -190,3 +190,30 @@ def test_an_empty_system_turn_is_left_out_and_counted_not_quarantined(tmp_path: 
     ]
     reason = json.loads(result.quarantine_path.read_text())["reason"]
     assert reason == "turn 1 (user) has empty content"
+
+
+def test_a_part_whose_marker_is_gone_is_marked_again_not_prepared_twice(tmp_path: Path) -> None:
+    """A prompts part without its marker (deleted by hand, or a crash between the part's rename and its marker):
+    its samples were prepared again into a new part, then bought twice and duplicated in every stage and export.
+    Now a readable one is marked again with the same rows and number; one that does not read is removed and its
+    samples prepared again."""
+    path = write_jsonl(tmp_path / "b1.jsonl", GOOD)
+    cfg = make_cfg(tmp_path, [{"name": "B1", "path": path}], per_shard=2)
+    assert prepare_datasets(cfg).parts == [0, 1, 2]
+    middle = PartRef(cfg.run_dir, "prompts", 1)
+    fingerprint_before = json.loads(middle.marker.read_text())["fingerprint"]
+    rows_before = read_part(middle)
+
+    middle.marker.unlink()
+    result = prepare_datasets(cfg)
+    assert result.parts == [0, 1, 2] and result.datasets["B1"].new == 0
+    assert json.loads(middle.marker.read_text())["fingerprint"] == fingerprint_before
+    assert read_part(middle).equals(rows_before)
+
+    middle.marker.unlink()
+    middle.path.write_bytes(middle.path.read_bytes()[:100])  # a write cut short
+    result = prepare_datasets(cfg)
+    assert result.datasets["B1"].new == 2 and result.parts == [0, 2, 3]
+    assert not middle.path.exists()
+    ids = [i for r in done_parts(cfg.run_dir, "prompts") for i in read_part(r)["sample_id"].to_pylist()]
+    assert len(ids) == len(set(ids)) == 6

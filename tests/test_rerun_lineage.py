@@ -177,3 +177,26 @@ def test_config_changes_rebuild_exactly_the_stages_they_shape(tmp_path: Path, ti
         assert all(again[k]["fingerprint"] != fp for k, fp in scores.items())
         assert {m["stats"]["source"] for m in again.values()} == {"refloor"}, "recounted, no model loaded"
         assert result["status"]["consistent"], result["status"]["problems"]
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_parts_cut_short_are_rebuilt_by_the_rerun_exactly_as_they_were(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A derived part cut short under its marker (a copy that broke off, a disk that lost blocks): `status` says it
+    is missing instead of failing with an internal error, and the rerun rebuilds it, row for row; before, the
+    rerun trusted the marker and left it, and `status`/`export` exited 1 on `ArrowInvalid` for good."""
+    run_dir = tmp_path / "run"
+    data = _dataset(tmp_path / "b1.jsonl", 16)
+    with SimulatorServer(tiny_model_dir, SimConfig()) as sim:
+        _run(run_dir, sim, tiny_model_dir, data)
+        cut = [done_parts(run_dir, stage)[1] for stage in ("tokens", "validation", "hidden_states")]
+        rows = {str(r): read_part(r).sort_by("sample_id") for r in cut}
+        for ref in cut:
+            ref.path.write_bytes(ref.path.read_bytes()[:300])
+        status = run_status(run_dir)
+        assert not status.consistent
+        answered = sim.stats()["generations_stored"]
+        second = _run(run_dir, sim, tiny_model_dir, data)
+        assert sim.stats()["generations_stored"] == answered  # nothing bought again
+    assert second["status"]["consistent"], second["status"]["problems"]
+    for ref in cut:
+        assert read_part(ref).sort_by("sample_id").equals(rows[str(ref)]), ref

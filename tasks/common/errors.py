@@ -19,6 +19,10 @@ class SchemaMismatchError(DatagenError):
     """A shard's schema or schema_version is not the one this code reads."""
 
 
+class CorruptPartError(SchemaMismatchError):
+    """A finished part's file is not what its marker recorded: cut short, overwritten or unreadable."""
+
+
 class SpecialTokenError(DatagenError):
     """A special token of the completion format does not encode to exactly its own single id."""
 

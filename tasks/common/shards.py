@@ -13,6 +13,7 @@ until the new one is renamed over it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.common.errors import SchemaMismatchError
+from tasks.common.errors import CorruptPartError, SchemaMismatchError
 from tasks.common.schemas import SCHEMA_VERSION, SCHEMAS
 
 PART_RE = re.compile(r"^part-(\d{5})\.parquet$")
@@ -227,13 +228,30 @@ def expected_build(ref: PartRef, recipe: Mapping[str, Any] | None = None) -> Bui
     return Build(input_fingerprints(ref), None if recipe is None else recipe_digest(recipe))
 
 
+def size_mismatch(ref: PartRef, marker: Mapping[str, Any]) -> str | None:
+    """How the part's file differs in size from what its marker recorded (None: same size, or no size recorded).
+    A stat, not a read: cheap enough for every resume decision, and it catches a file cut short, replaced or
+    appended to (a copy that broke off, a disk that lost blocks, a hand edit)."""
+    recorded = marker.get("bytes")
+    try:
+        actual = ref.path.stat().st_size
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if isinstance(recorded, int) and recorded != actual:
+        return f"{actual:,} bytes where its marker recorded {recorded:,}"
+    return None
+
+
 def part_state(ref: PartRef, build: Build) -> PartState:
-    """missing: no finished part; stale: finished from other inputs or another recipe; current: reusable."""
+    """missing: no finished part (or its file is not the size its marker recorded: rebuilt like a missing one);
+    stale: finished from other inputs or another recipe; current: reusable."""
     if not ref.is_done():
         return "missing"
     try:
         marker = read_marker(ref)
     except (OSError, ValueError):
+        return "missing"
+    if size_mismatch(ref, marker) is not None:
         return "missing"
     if "inputs" not in marker:
         return "current" if _legacy_current(ref, marker, build) else "stale"
@@ -304,8 +322,39 @@ def write_part(
     return marker
 
 
+def corrupt_part(path: Path, exc: Exception) -> CorruptPartError:
+    """The one line for a finished part that cannot be read: which file, what its marker says, what to do."""
+    marker_path = path.parent / "_done" / f"{path.stem}.json"
+    recorded = ""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        recorded = f"; its marker recorded {json.loads(marker_path.read_text()).get('bytes'):,} bytes"
+    size = path.stat().st_size if path.exists() else 0
+    return CorruptPartError(
+        f"{path} is not a readable part ({type(exc).__name__}: {str(exc)[:200]}; {size:,} bytes on disk{recorded}): "
+        f"delete it and {marker_path} and rerun to rebuild it"
+        + (" (its answers are bought again)" if path.parent.name == "responses" else "")
+    )
+
+
+@contextlib.contextmanager
+def reading_part(path: Path) -> Iterator[None]:
+    """Around a read of a finished part's file: what the Parquet reader raises on a damaged file becomes
+    `corrupt_part`'s typed error (a missing file stays FileNotFoundError)."""
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise corrupt_part(path, exc) from exc
+
+
+def _read_schema(path: Path) -> pa.Schema:
+    with reading_part(path):
+        return pq.read_schema(path)
+
+
 def check_schema(path: Path, schema: pa.Schema, stage: str) -> None:
-    file_schema = pq.read_schema(path)
+    file_schema = _read_schema(path)
     meta = file_schema.metadata or {}
     version = meta.get(META_VERSION, b"<none>").decode()
     if version != str(SCHEMA_VERSION):
@@ -324,11 +373,12 @@ def read_part(ref: PartRef, columns: list[str] | None = None) -> pa.Table:
     if not ref.is_done():
         raise FileNotFoundError(f"{ref} is not complete (no marker at {ref.marker})")
     check_schema(ref.path, SCHEMAS[ref.stage], ref.stage)
-    return pq.read_table(ref.path, columns=columns)
+    with reading_part(ref.path):
+        return pq.read_table(ref.path, columns=columns)
 
 
 def read_provenance(path: Path) -> dict[str, Any]:
-    meta = pq.read_schema(path).metadata or {}
+    meta = _read_schema(path).metadata or {}
     result: dict[str, Any] = json.loads(meta.get(META_PROVENANCE, b"{}"))
     return result
 

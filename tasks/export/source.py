@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from tasks.common.shards import PartRef, done_parts, read_part, read_provenance
 from tasks.export.errors import ExportError
@@ -29,6 +28,7 @@ from tasks.extract.storage import (
     StateLayout,
     check_capture,
     check_shard_meaning,
+    open_shard,
 )
 
 
@@ -88,7 +88,7 @@ def iter_samples(part: SourcePart) -> Iterator[ExportSample]:
             shard = str(row["shard"])
             if shard not in handles:
                 path = ref.run_dir / HIDDEN_DIR / shard
-                handles[shard] = stack.enter_context(safe_open(str(path), framework="pt"))
+                handles[shard] = stack.enter_context(open_shard(path))
             yield _load(handles[shard], row, token_row, ref)
 
 

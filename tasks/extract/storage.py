@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from tasks.common.errors import CaptureMismatchError, InsufficientSpaceError, SchemaMismatchError
+from tasks.common.errors import CaptureMismatchError, CorruptPartError, InsufficientSpaceError, SchemaMismatchError
 from tasks.common.shards import part_name
 
 HIDDEN_DIR = "hidden_states"
@@ -312,6 +312,19 @@ def check_shard_meaning(path: Path, metadata: Mapping[str, str] | None, has_fina
         )
 
 
+def open_shard(path: Path) -> Any:
+    """`safe_open` of a hidden-states shard; one cut short or overwritten is a typed error naming the shard and
+    the part to rebuild, not an internal error out of the reader (`SafetensorError: ... incomplete metadata`)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        part = path.name.rsplit("-", 1)[0]
+        raise CorruptPartError(
+            f"{path} is not a readable hidden-states shard ({exc}; {path.stat().st_size:,} bytes on disk): delete "
+            f"{path.parent.parent / '_done' / (part + '.json')} and rerun extract to rebuild {part}"
+        ) from exc
+
+
 def marker_is_current(stats: Mapping[str, Any]) -> bool:
     """A finished part's marker stats describe states this code reads: aux-only, or the `FINAL_STATE` final state.
     The extract stage redoes a part whose marker fails this instead of skipping it."""
@@ -331,7 +344,7 @@ def load_hidden_states(
     offset = int(index_row["offset"])
     length = int(index_row["length"])
     path = Path(run_dir) / HIDDEN_DIR / str(index_row["shard"])
-    with safe_open(str(path), framework="pt") as fh:
+    with open_shard(path) as fh:
         keys = set(fh.keys())
         check_shard_meaning(path, fh.metadata(), FINAL_KEY in keys)
         ids = fh.get_slice(IDS_KEY)[offset : offset + length]

@@ -18,10 +18,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.common.config import DatasetConfig, PipelineConfig
-from tasks.common.errors import ConfigError, EmptyInputError
+from tasks.common.errors import ConfigError, EmptyInputError, SchemaMismatchError
 from tasks.common.messages import ROLES, Message, prompt_messages, response_sample_id, sample_id
 from tasks.common.schemas import PROMPTS
-from tasks.common.shards import PartRef, atomic_write_text, done_parts, read_part, write_part
+from tasks.common.shards import (
+    PART_RE,
+    PartRef,
+    atomic_write_text,
+    check_schema,
+    done_parts,
+    read_part,
+    reading_part,
+    write_part,
+)
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MANIFEST = "_manifest.json"
@@ -194,8 +203,42 @@ def _fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
     }
 
 
+def restore_unmarked_parts(cfg: PipelineConfig) -> list[int]:
+    """Prompts parts on disk without their marker, marked again where they read whole; removed where they do not.
+
+    A part whose marker is gone (deleted by hand, or a crash between the part's rename and its marker) was
+    otherwise invisible to `_existing_samples`: its samples were prepared a second time into a new part, bought
+    again by generate and present twice in every later stage and in the export. Re-marking keeps the part's rows
+    and number (same rows, same fingerprint: nothing downstream goes stale). A file that does not read (a write
+    cut short) holds nothing anyone used; its samples are prepared again."""
+    restored: list[int] = []
+    stage_dir = cfg.run_dir / "prompts"
+    if not stage_dir.is_dir():
+        return restored
+    for entry in sorted(stage_dir.iterdir()):
+        m = PART_RE.match(entry.name)
+        ref = PartRef(cfg.run_dir, "prompts", int(m.group(1))) if m else None
+        if ref is None or ref.marker.exists():
+            continue
+        try:
+            check_schema(ref.path, PROMPTS, "prompts")
+            with reading_part(ref.path):
+                table = pq.read_table(ref.path)
+        except SchemaMismatchError:
+            ref.path.unlink(missing_ok=True)
+            continue
+        if table.num_rows == 0:
+            ref.path.unlink(missing_ok=True)
+            continue
+        dataset = table["dataset"][0].as_py()
+        write_part(ref, table.select(PROMPTS.names), cfg.provenance() | {"dataset": dataset}, {"dataset": dataset})
+        restored.append(ref.part)
+    return restored
+
+
 def _existing_samples(cfg: PipelineConfig) -> tuple[set[str], dict[str, list[int]], int]:
     """Sample ids already prepared, parts per dataset, and the next free part number."""
+    restore_unmarked_parts(cfg)
     ids: set[str] = set()
     parts: dict[str, list[int]] = {}
     next_part = 0

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from tasks.common.config import scores_extracted_with
 from tasks.common.failures import FailureRecord, failure_class, rerun_action
 from tasks.common.schemas import REPORTS_DIR, SCORES_STAGE, STAGES
-from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state
+from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state, reading_part
 from tasks.prepare.datasets import QUARANTINE
 from tasks.status.status_cache import cached, status_key
 from tasks.validate.failure_gates import rerun_may_pass
@@ -244,8 +244,10 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
 
 
 def _read_ids(ref: PartRef, columns: list[str]) -> list[dict[str, Any]]:
-    schema = pq.read_schema(ref.path)
-    rows: list[dict[str, Any]] = pq.read_table(ref.path, columns=[c for c in columns if c in schema.names]).to_pylist()
+    with reading_part(ref.path):
+        schema = pq.read_schema(ref.path)
+        names = [c for c in columns if c in schema.names]
+        rows: list[dict[str, Any]] = pq.read_table(ref.path, columns=names).to_pylist()
     return rows
 
 
