@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
+
 from tasks.train.stage import (
     CHECKPOINT_DIR,
     DATA_KEY,
@@ -76,3 +78,15 @@ def test_a_finished_summary_is_returned_only_for_the_same_options_and_data(tmp_p
     assert finished_summary(out, TrainOptions(), DATA) == summary | {"resumed": "finished"}
     assert finished_summary(out, TrainOptions(), DATA | {"part-00002": "fp-c"}) is None
     assert finished_summary(out, TrainOptions(epochs=5), DATA) is None
+
+
+def test_a_run_directory_this_host_does_not_have_is_named_as_such(tmp_path: Path) -> None:
+    """The train-gpu deployment's default run_dir is relative to the worker's working directory; a worker whose
+    runs live elsewhere (the compose workers mount them at /runs) was told to "run extract first"."""
+    from tasks.train.stage import TrainError, hidden_states_provenance
+
+    with pytest.raises(TrainError, match=r"does not exist on this host: pass run_dir as this worker sees it"):
+        hidden_states_provenance(tmp_path / "nowhere" / "run")
+    (tmp_path / "run").mkdir()
+    with pytest.raises(TrainError, match="no finished hidden_states parts: run extract first"):
+        hidden_states_provenance(tmp_path / "run")
