@@ -111,6 +111,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     out = Path(args.out).resolve() if args.out else None
     options = train_options(args)
+    from tasks.train.stage import hidden_states_provenance
+
+    hidden_states_provenance(run_dir)  # a run directory with nothing to train on: one line, before Prefect starts
     if args.no_prefect:
         from tasks.evaluate import evaluate_run
         from tasks.train import train_run
@@ -139,6 +142,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     }
     if args.prompts:
         kwargs["prompts_file"] = str(Path(args.prompts).resolve())
+        if not Path(kwargs["prompts_file"]).is_file():
+            raise FileNotFoundError(f"--prompts {kwargs['prompts_file']}: no such file")
+    from tasks.evaluate.stage import trained_summary_path
+
+    trained_summary_path(run_dir, train_dir)  # nothing trained: one line, before Prefect starts
     if args.no_prefect:
         from tasks.evaluate import evaluate_run
 

@@ -213,6 +213,25 @@ def test_export_without_hidden_states(
     assert snapshot(tmp_path / "run") == before
 
 
+def test_train_and_evaluate_refuse_a_run_with_nothing_to_use_before_prefect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`evaluate` of a directory with no trained drafter started a temporary Prefect server and printed its flow
+    and task failure logs around the one error line (a newcomer probe); `train` said "run extract first" about a
+    directory that does not exist. Both now check before Prefect starts."""
+    (tmp_path / "run").mkdir()
+    for args, needle in (
+        (("evaluate", str(tmp_path / "missing")), "has no train_summary.json"),
+        (("evaluate", str(tmp_path / "run")), "has no train_summary.json"),
+        (("evaluate", str(tmp_path / "run"), "--prompts", str(tmp_path / "none.jsonl")), "no such file"),
+        (("train", str(tmp_path / "missing")), "does not exist on this host"),
+        (("train", str(tmp_path / "run")), "no finished hidden_states parts"),
+    ):
+        result = call(capsys, *args)
+        assert_one_line_error(result, ExitCode.USER, needle)
+        assert "temporary server" not in result.stdout + result.stderr, args
+
+
 def test_run_stops_before_prefect_on_what_a_preflight_can_see(
     sim: SimulatorServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

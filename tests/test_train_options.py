@@ -85,7 +85,7 @@ def test_a_run_directory_this_host_does_not_have_is_named_as_such(tmp_path: Path
     runs live elsewhere (the compose workers mount them at /runs) was told to "run extract first"."""
     from tasks.train.stage import TrainError, hidden_states_provenance
 
-    with pytest.raises(TrainError, match=r"does not exist on this host: pass run_dir as this worker sees it"):
+    with pytest.raises(TrainError, match=r"does not exist on this host \(a deployment's run_dir is read where"):
         hidden_states_provenance(tmp_path / "nowhere" / "run")
     (tmp_path / "run").mkdir()
     with pytest.raises(TrainError, match="no finished hidden_states parts: run extract first"):

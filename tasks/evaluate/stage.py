@@ -107,6 +107,15 @@ def trainer_full_acc(summary: dict[str, Any], k: int) -> list[float] | None:
     return [float(last.get(f"full_acc_{j}_epoch", float("nan"))) for j in range(k)]
 
 
+def trained_summary_path(run_dir: Path, train_dir: Path | None = None) -> Path:
+    """The drafter's `train_summary.json`; checked before anything starts (the CLI checks it before Prefect)."""
+    train_dir = Path(train_dir or Path(run_dir) / "train").resolve()
+    summary_path = train_dir / SUMMARY_NAME
+    if not summary_path.is_file():
+        raise TrainError(f"{train_dir} has no {SUMMARY_NAME}: run `eagle3-datagen train {run_dir}` first")
+    return summary_path
+
+
 def evaluate_run(
     run_dir: Path,
     train_dir: Path | None = None,
@@ -121,10 +130,7 @@ def evaluate_run(
     teacher-forced cross-check still reads the trainer's held-out rows, as its own metric does)."""
     run_dir = Path(run_dir).resolve()
     train_dir = Path(train_dir or run_dir / "train").resolve()
-    summary_path = train_dir / SUMMARY_NAME
-    if not summary_path.is_file():
-        raise TrainError(f"{train_dir} has no {SUMMARY_NAME}: run `eagle3-datagen train {run_dir}` first")
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads(trained_summary_path(run_dir, train_dir).read_text())
     opts = summary["options"]
     k = k or int(opts["ttt_steps"])
     started = time.monotonic()

@@ -94,8 +94,8 @@ class TrainOptions:
 def hidden_states_provenance(run_dir: Path) -> dict[str, Any]:
     if not Path(run_dir).is_dir():
         raise TrainError(
-            f"run directory {Path(run_dir).resolve()} does not exist on this host: pass run_dir as this worker sees "
-            "it (the docker/compose.yaml workers mount the run directories at /runs: run_dir /runs/run)"
+            f"run directory {Path(run_dir).resolve()} does not exist on this host (a deployment's run_dir is read "
+            "where its worker runs: the docker/compose.yaml workers keep run directories at /runs, e.g. /runs/run)"
         )
     refs = done_parts(Path(run_dir), "hidden_states")
     if not refs:
