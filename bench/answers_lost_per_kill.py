@@ -10,6 +10,10 @@ has to buy it again. `--kills` kills, seeded; the run directory is kept across k
     python bench/answers_lost_per_kill.py                       # this checkout
     python bench/answers_lost_per_kill.py --repo /path/to/main  # another checkout, same measurement
 
+`read_lost_per_kill`: of the lost, those the client had already read and recorded as paid in its spend ledger
+(the rest were still unread in its sockets when it was killed: at a request rate above what the client parses,
+that backlog grows, and no journal can keep what was never read).
+
 The last stdout line is one JSON object: lost answers per kill, answers billed per kill, and the means.
 """
 
@@ -56,6 +60,17 @@ def durable_generation_ids(run_dir: Path) -> set[str]:
     return ids
 
 
+def ledger_answered_ids(run_dir: Path) -> set[str]:
+    """Generation ids the killed run's spend ledger recorded as answered: answers the client had read and paid
+    for (what the client could have kept), as opposed to answers still unread in its sockets at the kill."""
+    ids: set[str] = set()
+    for path in sorted((run_dir / "spend").glob("ledger-*.log")) if (run_dir / "spend").is_dir() else []:
+        for rec in read_records(path):
+            if rec.get("k") == "b" and rec.get("o") == "answered" and rec.get("g"):
+                ids.add(rec["g"])
+    return ids
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", type=Path, default=REPO, help="checkout whose `generate` is killed")
@@ -67,6 +82,7 @@ def main() -> int:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     lost: list[int] = []
+    read_lost: list[int] = []
     billed_per_kill: list[int] = []
     with tempfile.TemporaryDirectory(prefix="lost-per-kill-") as tmp:
         work = Path(tmp)
@@ -123,8 +139,14 @@ def main() -> int:
                 records = [r for r in sim.billing()["records"][start:] if not r.get("cut")]
                 durable = durable_generation_ids(work / "run")
                 lost.append(sum(1 for r in records if r["id"] not in durable))
+                answered = ledger_answered_ids(work / "run")
+                read_lost.append(sum(1 for r in records if r["id"] in answered and r["id"] not in durable))
                 billed_per_kill.append(len(records))
-                print(f"kill: {billed_per_kill[-1]} answers billed in the run, {lost[-1]} lost", file=sys.stderr)
+                print(
+                    f"kill: {billed_per_kill[-1]} answers billed in the run, {lost[-1]} lost, of which "
+                    f"{read_lost[-1]} read and recorded as paid by the client",
+                    file=sys.stderr,
+                )
     print(
         json.dumps(
             {
@@ -134,6 +156,8 @@ def main() -> int:
                 "lost_per_kill": lost,
                 "billed_per_kill": billed_per_kill,
                 "mean_lost_per_kill": statistics.fmean(lost),
+                "read_lost_per_kill": read_lost,
+                "mean_read_lost_per_kill": statistics.fmean(read_lost),
             }
         )
     )
