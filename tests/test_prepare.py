@@ -195,8 +195,8 @@ def test_an_empty_system_turn_is_left_out_and_counted_not_quarantined(tmp_path: 
 def test_a_part_whose_marker_is_gone_is_marked_again_not_prepared_twice(tmp_path: Path) -> None:
     """A prompts part without its marker (deleted by hand, or a crash between the part's rename and its marker):
     its samples were prepared again into a new part, then bought twice and duplicated in every stage and export.
-    Now a readable one is marked again with the same rows and number; one that does not read is removed and its
-    samples prepared again."""
+    Now a readable one is marked again with the same rows and number; a part that is gone or does not read, marker
+    or not, is prepared again from the dataset under its own number."""
     path = write_jsonl(tmp_path / "b1.jsonl", GOOD)
     cfg = make_cfg(tmp_path, [{"name": "B1", "path": path}], per_shard=2)
     assert prepare_datasets(cfg).parts == [0, 1, 2]
@@ -210,10 +210,20 @@ def test_a_part_whose_marker_is_gone_is_marked_again_not_prepared_twice(tmp_path
     assert json.loads(middle.marker.read_text())["fingerprint"] == fingerprint_before
     assert read_part(middle).equals(rows_before)
 
-    middle.marker.unlink()
-    middle.path.write_bytes(middle.path.read_bytes()[:100])  # a write cut short
-    result = prepare_datasets(cfg)
-    assert result.datasets["B1"].new == 2 and result.parts == [0, 2, 3]
-    assert not middle.path.exists()
-    ids = [i for r in done_parts(cfg.run_dir, "prompts") for i in read_part(r)["sample_id"].to_pylist()]
-    assert len(ids) == len(set(ids)) == 6
+    whole = middle.path.read_bytes()
+    damages = {
+        "unmarked and cut short": lambda: (middle.marker.unlink(), middle.path.write_bytes(whole[:100])),
+        "file deleted": lambda: middle.path.unlink(),
+        "file cut short": lambda: middle.path.write_bytes(whole[:100]),
+        "same size, overwritten": lambda: middle.path.write_bytes(bytes(len(whole))),
+    }
+    for name, damage in damages.items():
+        damage()
+        result = prepare_datasets(cfg)
+        # The samples it held are prepared again from the dataset into the same number: the responses and later
+        # parts of that number still hold them, so nothing is bought twice or duplicated.
+        assert result.datasets["B1"].new == 2 and result.parts == [0, 1, 2], name
+        assert json.loads(middle.marker.read_text())["fingerprint"] == fingerprint_before, name
+        assert read_part(middle).equals(rows_before), name
+        ids = [i for r in done_parts(cfg.run_dir, "prompts") for i in read_part(r)["sample_id"].to_pylist()]
+        assert len(ids) == len(set(ids)) == 6, name

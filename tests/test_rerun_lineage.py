@@ -189,14 +189,20 @@ def test_parts_cut_short_are_rebuilt_by_the_rerun_exactly_as_they_were(tmp_path:
     with SimulatorServer(tiny_model_dir, SimConfig()) as sim:
         _run(run_dir, sim, tiny_model_dir, data)
         cut = [done_parts(run_dir, stage)[1] for stage in ("tokens", "validation", "hidden_states")]
-        rows = {str(r): read_part(r).sort_by("sample_id") for r in cut}
+        overwritten, gone = done_parts(run_dir, "tokens")[0], done_parts(run_dir, "prompts")[1]
+        rows = {str(r): read_part(r).sort_by("sample_id") for r in [*cut, overwritten, gone]}
         for ref in cut:
             ref.path.write_bytes(ref.path.read_bytes()[:300])
+        overwritten.path.write_bytes(bytes(overwritten.path.stat().st_size))  # same size, not Parquet
+        gone.path.unlink()  # its marker kept: prepared again under its own number, nothing bought twice
         status = run_status(run_dir)
         assert not status.consistent
         answered = sim.stats()["generations_stored"]
         second = _run(run_dir, sim, tiny_model_dir, data)
         assert sim.stats()["generations_stored"] == answered  # nothing bought again
     assert second["status"]["consistent"], second["status"]["problems"]
-    for ref in cut:
+    for ref in [*cut, overwritten, gone]:
         assert read_part(ref).sort_by("sample_id").equals(rows[str(ref)]), ref
+    for stage in ("prompts", "responses", "tokens", "validation"):
+        ids = [i for r in done_parts(run_dir, stage) for i in read_part(r, ["sample_id"])["sample_id"].to_pylist()]
+        assert len(ids) == len(set(ids)) == len(_ids(run_dir, "prompts")), stage

@@ -84,8 +84,8 @@ def test_a_part_cut_short_or_overwritten_is_rebuilt_and_reads_as_a_typed_error(t
     assert str(tokens.path) in message and f"its marker recorded {len(whole):,} bytes" in message
     assert str(tokens.marker) in message and exit_code_for(cut.value) == ExitCode.USER
 
-    tokens.path.write_bytes(bytes(len(whole)))  # same size, garbage: the size check passes, the reader refuses
-    assert part_state(tokens, build) == "current"
+    tokens.path.write_bytes(bytes(len(whole)))  # same size, garbage: its Parquet footer does not read
+    assert part_state(tokens, build) == "missing"
     with pytest.raises(CorruptPartError):
         read_part(tokens)
 

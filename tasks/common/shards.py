@@ -242,8 +242,24 @@ def size_mismatch(ref: PartRef, marker: Mapping[str, Any]) -> str | None:
     return None
 
 
+def part_intact(ref: PartRef, marker: Mapping[str, Any] | None = None) -> bool:
+    """The finished part's file is the size its marker recorded and its Parquet footer reads: a stat and a read
+    of the footer (O(parts), never the rows), which catches a file cut short, replaced or overwritten."""
+    try:
+        marker = read_marker(ref) if marker is None else marker
+    except (OSError, ValueError):
+        return False
+    if size_mismatch(ref, marker) is not None:
+        return False
+    try:
+        pq.read_metadata(ref.path)
+    except (pa.ArrowException, OSError):
+        return False
+    return True
+
+
 def part_state(ref: PartRef, build: Build) -> PartState:
-    """missing: no finished part (or its file is not the size its marker recorded: rebuilt like a missing one);
+    """missing: no finished part, or one whose file is damaged (`part_intact`): rebuilt like a missing one;
     stale: finished from other inputs or another recipe; current: reusable."""
     if not ref.is_done():
         return "missing"
@@ -251,7 +267,7 @@ def part_state(ref: PartRef, build: Build) -> PartState:
         marker = read_marker(ref)
     except (OSError, ValueError):
         return "missing"
-    if size_mismatch(ref, marker) is not None:
+    if not part_intact(ref, marker):
         return "missing"
     if "inputs" not in marker:
         return "current" if _legacy_current(ref, marker, build) else "stale"

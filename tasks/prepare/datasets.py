@@ -27,6 +27,7 @@ from tasks.common.shards import (
     atomic_write_text,
     check_schema,
     done_parts,
+    part_intact,
     read_part,
     reading_part,
     write_part,
@@ -204,17 +205,17 @@ def _fingerprint(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def restore_unmarked_parts(cfg: PipelineConfig) -> list[int]:
-    """Prompts parts on disk without their marker, marked again where they read whole; removed where they do not.
+    """Prompts parts on disk without their marker, marked again where they read whole; removed where they do not
+    (their numbers are returned, for `_existing_samples` to fill again).
 
     A part whose marker is gone (deleted by hand, or a crash between the part's rename and its marker) was
     otherwise invisible to `_existing_samples`: its samples were prepared a second time into a new part, bought
     again by generate and present twice in every later stage and in the export. Re-marking keeps the part's rows
-    and number (same rows, same fingerprint: nothing downstream goes stale). A file that does not read (a write
-    cut short) holds nothing anyone used; its samples are prepared again."""
-    restored: list[int] = []
+    and number (same rows, same fingerprint: nothing downstream goes stale)."""
+    removed: list[int] = []
     stage_dir = cfg.run_dir / "prompts"
     if not stage_dir.is_dir():
-        return restored
+        return removed
     for entry in sorted(stage_dir.iterdir()):
         m = PART_RE.match(entry.name)
         ref = PartRef(cfg.run_dir, "prompts", int(m.group(1))) if m else None
@@ -225,30 +226,40 @@ def restore_unmarked_parts(cfg: PipelineConfig) -> list[int]:
             with reading_part(ref.path):
                 table = pq.read_table(ref.path)
         except SchemaMismatchError:
+            table = None
+        if table is None or table.num_rows == 0:
             ref.path.unlink(missing_ok=True)
-            continue
-        if table.num_rows == 0:
-            ref.path.unlink(missing_ok=True)
+            removed.append(ref.part)
             continue
         dataset = table["dataset"][0].as_py()
         write_part(ref, table.select(PROMPTS.names), cfg.provenance() | {"dataset": dataset}, {"dataset": dataset})
-        restored.append(ref.part)
-    return restored
+    return removed
 
 
-def _existing_samples(cfg: PipelineConfig) -> tuple[set[str], dict[str, list[int]], int]:
-    """Sample ids already prepared, parts per dataset, and the next free part number."""
-    restore_unmarked_parts(cfg)
+def _existing_samples(cfg: PipelineConfig) -> tuple[set[str], dict[str, list[int]], int, list[int]]:
+    """Sample ids already prepared, parts per dataset, the next free part number, and the numbers of finished
+    parts whose file is gone or damaged (`part_intact`): their marker and file are removed and the samples they
+    held, prepared again from the dataset in the same order, fill those numbers first. The responses and later
+    parts of that number still hold those samples, so nothing is bought twice or duplicated (a new number would
+    have done both)."""
+    refill = restore_unmarked_parts(cfg)
     ids: set[str] = set()
     parts: dict[str, list[int]] = {}
-    next_part = 0
-    for ref in done_parts(cfg.run_dir, "prompts"):
+    next_part = max(refill, default=-1) + 1
+    done_dir = cfg.run_dir / "prompts" / "_done"
+    for marker in sorted(done_dir.glob("part-*.json")) if done_dir.is_dir() else []:
+        ref = PartRef(cfg.run_dir, "prompts", int(marker.stem.split("-")[1]))
+        next_part = max(next_part, ref.part + 1)
+        if not (ref.path.exists() and part_intact(ref)):
+            ref.marker.unlink()
+            ref.path.unlink(missing_ok=True)
+            refill.append(ref.part)
+            continue
         table = read_part(ref, columns=["sample_id", "dataset"])
         ids.update(table["sample_id"].to_pylist())
         if table.num_rows:
             parts.setdefault(table["dataset"][0].as_py(), []).append(ref.part)
-        next_part = max(next_part, ref.part + 1)
-    return ids, parts, next_part
+    return ids, parts, next_part, sorted(refill)
 
 
 def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
@@ -263,12 +274,12 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
     fingerprint = _fingerprint(cfg)
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        done = {r.part for r in done_parts(cfg.run_dir, "prompts")}
+        done = {r.part for r in done_parts(cfg.run_dir, "prompts") if part_intact(r)}
         if manifest["fingerprint"] == fingerprint and set(manifest["parts"]) <= done:
             reused = {k: DatasetCounts(**v) for k, v in manifest["datasets"].items()}
             return PrepareResult(manifest["parts"], reused, stage_dir / QUARANTINE, reused=True)
 
-    existing, existing_parts, next_part = _existing_samples(cfg)
+    existing, existing_parts, next_part, refill = _existing_samples(cfg)
     counts: dict[str, DatasetCounts] = {}
     quarantine: list[str] = []
     for ds in cfg.datasets:
@@ -324,11 +335,14 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
         c.new = len(rows)
         for start in range(0, len(rows), cfg.samples_per_shard):
             chunk = rows[start : start + cfg.samples_per_shard]
-            ref = PartRef(cfg.run_dir, "prompts", next_part)
+            if refill:
+                number = refill.pop(0)
+            else:
+                number, next_part = next_part, next_part + 1
+            ref = PartRef(cfg.run_dir, "prompts", number)
             table = pa.Table.from_pylist(chunk, schema=PROMPTS)
             write_part(ref, table, cfg.provenance() | {"dataset": ds.name}, {"dataset": ds.name})
-            c.parts.append(next_part)
-            next_part += 1
+            c.parts.append(number)
 
     all_parts = sorted(p for c in counts.values() for p in c.parts)
     atomic_write_text(stage_dir / QUARANTINE, "".join(line + "\n" for line in quarantine))
