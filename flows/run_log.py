@@ -4,14 +4,16 @@ Prefect's engines log every failure with its traceback ("Encountered exception d
 task and once for the flow): an independent probe counted about 75 lines in the UI's log for a crossed validation
 gate, whose state message already says it in one line. A `DatagenError` (a gate, a refusal, a config error, a
 sample that does not check out) names what to change; its traceback tells the user nothing the CLI would not hide
-too (`--debug` shows it there). Any other exception keeps its traceback: that one is a bug to report.
+too (`--debug` shows it there). So does an `EndpointUnavailableError` (an outage outlasting `outage_abort_s`:
+not a DatagenError, so that no sample is failed for it, but its message says all there is). Any other exception
+keeps its traceback: that one is a bug to report.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tasks.common.errors import DatagenError
+from tasks.common.errors import DatagenError, EndpointUnavailableError
 
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
@@ -19,7 +21,7 @@ ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 class TypedErrorsInOneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, DatagenError):
+        if isinstance(exc, DatagenError | EndpointUnavailableError):
             record.exc_info = None
             record.exc_text = None
         return True

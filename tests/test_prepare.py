@@ -227,3 +227,15 @@ def test_a_part_whose_marker_is_gone_is_marked_again_not_prepared_twice(tmp_path
         assert read_part(middle).equals(rows_before), name
         ids = [i for r in done_parts(cfg.run_dir, "prompts") for i in read_part(r)["sample_id"].to_pylist()]
         assert len(ids) == len(set(ids)) == 6, name
+
+
+def test_a_missing_dataset_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    """A deployment run (no CLI pre-flight) failed with a bare FileNotFoundError naming neither the dataset nor the
+    setting, and its traceback twice in the log (an independent Prefect probe)."""
+    import pytest
+
+    from tasks.common.errors import ConfigError
+
+    cfg = make_cfg(tmp_path, [{"name": "B1", "path": tmp_path / "nope.jsonl"}])
+    with pytest.raises(ConfigError, match=r"dataset B1: .*nope.jsonl does not exist; fix datasets\[0\].path"):
+        prepare_datasets(cfg)

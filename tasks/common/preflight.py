@@ -10,12 +10,17 @@ from tasks.common.config import PipelineConfig
 from tasks.common.errors import ConfigError
 
 
-def check_inputs(cfg: PipelineConfig) -> None:
+def check_datasets(cfg: PipelineConfig) -> None:
+    """Every configured dataset is a file (prepare checks this too, so a deployment run says it in one line)."""
     for i, ds in enumerate(cfg.datasets):
         if not ds.path.exists():
             raise ConfigError(f"dataset {ds.name}: {ds.path} does not exist; fix datasets[{i}].path")
         if not ds.path.is_file():
             raise ConfigError(f"dataset {ds.name}: {ds.path} is not a file; fix datasets[{i}].path")
+
+
+def check_inputs(cfg: PipelineConfig) -> None:
+    check_datasets(cfg)
     if not cfg.tokenizer.path.is_dir():
         raise ConfigError(f"tokenizer.path {cfg.tokenizer.path} is not a directory (the target model's local folder)")
 

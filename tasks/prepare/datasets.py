@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from tasks.common.config import DatasetConfig, PipelineConfig
 from tasks.common.errors import ConfigError, EmptyInputError, SchemaMismatchError
 from tasks.common.messages import ROLES, Message, prompt_messages, response_sample_id, sample_id
+from tasks.common.preflight import check_datasets
 from tasks.common.schemas import PROMPTS
 from tasks.common.shards import (
     PART_RE,
@@ -269,6 +270,7 @@ def prepare_datasets(cfg: PipelineConfig) -> PrepareResult:
     parts holding only the new samples, so everything downstream of the old parts stays valid. A dataset with
     no valid row is an `EmptyInputError` (after the quarantine file, which says why, is written).
     """
+    check_datasets(cfg)
     stage_dir = cfg.run_dir / "prompts"
     manifest_path = stage_dir / MANIFEST
     fingerprint = _fingerprint(cfg)
