@@ -228,32 +228,17 @@ def expected_build(ref: PartRef, recipe: Mapping[str, Any] | None = None) -> Bui
     return Build(input_fingerprints(ref), None if recipe is None else recipe_digest(recipe))
 
 
-def size_mismatch(ref: PartRef, marker: Mapping[str, Any]) -> str | None:
-    """How the part's file differs in size from what its marker recorded (None: same size, or no size recorded).
-    A stat, not a read: cheap enough for every resume decision, and it catches a file cut short, replaced or
-    appended to (a copy that broke off, a disk that lost blocks, a hand edit)."""
-    recorded = marker.get("bytes")
-    try:
-        actual = ref.path.stat().st_size
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"
-    if isinstance(recorded, int) and recorded != actual:
-        return f"{actual:,} bytes where its marker recorded {recorded:,}"
-    return None
-
-
 def part_intact(ref: PartRef, marker: Mapping[str, Any] | None = None) -> bool:
     """The finished part's file is the size its marker recorded and its Parquet footer reads: a stat and a read
-    of the footer (O(parts), never the rows), which catches a file cut short, replaced or overwritten."""
+    of the footer (O(parts), never the rows), which catches a file cut short, replaced or overwritten (a copy that
+    broke off, a disk that lost blocks, a hand edit)."""
     try:
         marker = read_marker(ref) if marker is None else marker
-    except (OSError, ValueError):
-        return False
-    if size_mismatch(ref, marker) is not None:
-        return False
-    try:
+        recorded = marker.get("bytes")
+        if isinstance(recorded, int) and ref.path.stat().st_size != recorded:
+            return False
         pq.read_metadata(ref.path)
-    except (pa.ArrowException, OSError):
+    except (OSError, ValueError, pa.ArrowException):
         return False
     return True
 
@@ -388,6 +373,11 @@ def check_schema(path: Path, schema: pa.Schema, stage: str) -> None:
 def read_part(ref: PartRef, columns: list[str] | None = None) -> pa.Table:
     if not ref.is_done():
         raise FileNotFoundError(f"{ref} is not complete (no marker at {ref.marker})")
+    return read_part_file(ref, columns)
+
+
+def read_part_file(ref: PartRef, columns: list[str] | None = None) -> pa.Table:
+    """The part's file, schema-checked, marker or not (`read_part` requires the marker)."""
     check_schema(ref.path, SCHEMAS[ref.stage], ref.stage)
     with reading_part(ref.path):
         return pq.read_table(ref.path, columns=columns)

@@ -26,11 +26,10 @@ from tasks.common.shards import (
     PART_RE,
     PartRef,
     atomic_write_text,
-    check_schema,
     done_parts,
     part_intact,
     read_part,
-    reading_part,
+    read_part_file,
     write_part,
 )
 
@@ -223,9 +222,7 @@ def restore_unmarked_parts(cfg: PipelineConfig) -> list[int]:
         if ref is None or ref.marker.exists():
             continue
         try:
-            check_schema(ref.path, PROMPTS, "prompts")
-            with reading_part(ref.path):
-                table = pq.read_table(ref.path)
+            table = read_part_file(ref)
         except SchemaMismatchError:
             table = None
         if table is None or table.num_rows == 0:
