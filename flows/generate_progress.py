@@ -25,6 +25,7 @@ from uuid import UUID
 from prefect.artifacts import create_table_artifact
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+from prefect.client.schemas.objects import StateType
 from prefect.context import SettingsContext, get_settings_context
 from prefect.utilities.context import get_task_and_flow_run_ids
 
@@ -150,6 +151,7 @@ class PrefectProgressListener:
         self._lock = threading.Lock()
         if flow_run_id is not None:
             self._call(lambda client: retire_progress_cards(client, flow_run_id, key, SUPERSEDED))
+            self._call(lambda client: retire_cards_of_ended_runs(client, flow_run_id, key))
         initial = self._artifact("progress", key, 0.0, "**generate**: waiting for the first results")
         self.progress_id: UUID = self._call(lambda client: client.create_artifact(initial).id)
 
@@ -212,12 +214,49 @@ def retire_progress_cards(
     return retired
 
 
+ENDED_STATES = frozenset({StateType.CRASHED, StateType.FAILED, StateType.CANCELLED})
+
+
+def retire_cards_of_ended_runs(client: SyncPrefectClient, flow_run_id: UUID, key: str) -> int:
+    """Open progress cards under `key` (one run directory's) that other flow runs left when they ended before
+    their generate did (a worker `kill -9`ed, then a new trigger instead of the UI's Retry): each is told which
+    flow run took over. A crashed run's page kept its card "in progress" at the percent it reached for good.
+    Runs not yet ended are left alone: a run the server has not yet marked crashed may still be running."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+
+    cards = [
+        card
+        for card in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        if card.flow_run_id not in (None, flow_run_id) and (card.description or "").startswith(OPEN_CARD_HEADINGS)
+    ]
+    if not cards:
+        return 0
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list({card.flow_run_id for card in cards})))
+    )
+    ended = {run.id: run for run in runs if run.state is not None and run.state.type in ENDED_STATES}
+    this_run = client.read_flow_run(flow_run_id)
+    retired = 0
+    for card in cards:
+        run = ended.get(card.flow_run_id)  # type: ignore[arg-type]
+        if run is None or run.state is None:
+            continue
+        note = (
+            f"this run ended {run.state.name} before its generate finished; "
+            f"flow run {this_run.name} ({flow_run_id}) took over"
+        )
+        client.update_artifact(card.id, ArtifactUpdate(description=f"**{note}**\n\n{card.description}"))
+        retired += 1
+    return retired
+
+
 def retire_progress_of_this_run(key: str, note: str, percent: float | None = None) -> int:
     """`retire_progress_cards` for the flow run this is called in (a flow or task run context)."""
     _, flow_run_id = get_task_and_flow_run_ids()
     if flow_run_id is None:
         return 0
     with get_client(sync_client=True) as client:
+        retire_cards_of_ended_runs(client, flow_run_id, key)
         return retire_progress_cards(client, flow_run_id, key, note, percent)
 
 

@@ -432,3 +432,53 @@ def test_a_retried_run_does_not_keep_an_earlier_attempts_card_in_progress(cfg: P
     assert (cards[first].description or "").startswith(f"**{SUPERSEDED}**\n\n**generate: in progress**")
     assert (cards[second].description or "").startswith("**generate: final (nothing left to send)**")
     assert cards[first].data == pytest.approx(50.0) and cards[second].data == pytest.approx(100.0)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_new_trigger_retires_the_card_of_a_run_that_ended_before_its_generate_finished() -> None:
+    """A run crashed (or failed) mid-generate and replaced by a new trigger, not a Retry, kept its card "in
+    progress" at the percent it reached for good. The next run's card tells it which run took over; a run still
+    running (here the parent of the one after it) keeps its card."""
+    from uuid import uuid4
+
+    from prefect import flow
+
+    from flows.generate_progress import PrefectProgressListener
+
+    key = f"generate-progress-{uuid4().hex[:8]}"
+
+    def card(done: int) -> Any:
+        listener = PrefectProgressListener(key=key)
+        listener(replace(RUNNING, done=done, failed=0, elapsed_s=1.0))
+        return listener.progress_id
+
+    @flow
+    def ended_mid_generate() -> None:
+        card(500)
+        raise RuntimeError("worker lost")
+
+    @flow
+    def new_trigger() -> Any:
+        return card(700)
+
+    @flow
+    def still_running() -> Any:
+        card(300)
+        return new_trigger(return_state=True)
+
+    ended = ended_mid_generate(return_state=True)
+    assert ended.is_failed()
+    parent: Any = still_running(return_state=True)
+    child = parent.result()
+    ended_card = _artifacts(ended.state_details.flow_run_id, key)
+    parent_card = _artifacts(parent.state_details.flow_run_id, key)
+    child_card = _artifacts(child.state_details.flow_run_id, key)
+    assert len(ended_card) == len(parent_card) == len(child_card) == 1
+    assert (ended_card[0].description or "").startswith(
+        "**this run ended Failed before its generate finished; flow run "
+    ) and f"({parent.state_details.flow_run_id}) took over**\n\n**generate: in progress**" in (
+        ended_card[0].description or ""
+    )
+    assert ended_card[0].data == pytest.approx(50.0)
+    assert (parent_card[0].description or "").startswith("**generate: in progress**")
+    assert (child_card[0].description or "").startswith("**generate: in progress**")
