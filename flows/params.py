@@ -7,9 +7,11 @@ stores flow-run parameters in its database; keys come from an InferenceEndpointB
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from types import UnionType
+from typing import Any, Literal, Union, cast, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -30,14 +32,47 @@ from tasks.common.errors import ConfigError
 # are portable (no inline flags), as the browser checks them too.
 _KEY_LIKE = r"[Aa][Pp][Ii][_-]?[Kk][Ee][Yy](?![_-]?[Ee][Nn][Vv])"
 """`api_key`, `API_KEY`, `api-key`, but not `api_key_env` (the name of an environment variable)"""
-_NO_KEY_IN_OVERRIDES: dict[str, Any] = {
-    # a whole `endpoint` section as one override replaces the block's (and carries a key unseen)
-    "propertyNames": {"not": {"anyOf": [{"pattern": r"^\s*endpoint\s*$"}, {"pattern": _KEY_LIKE}]}},
-}
+_ENDPOINT_SECTION = r"^\s*[Ee][Nn][Dd][Pp][Oo][Ii][Nn][Tt]\s*$"
+
+
+def _config_paths(model: type[BaseModel], prefix: str = "") -> tuple[list[str], list[str]]:
+    """Every dotted name an override can set (a section, a field of one), and the fields that are free-form
+    mappings (`endpoint.provider_routing`), whose own keys follow them."""
+    names: list[str] = []
+    mappings: list[str] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        names.append(path)
+        args = get_args(field.annotation) if get_origin(field.annotation) in (Union, UnionType) else ()
+        for kind in args or (field.annotation,):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                sub_names, sub_mappings = _config_paths(kind, f"{path}.")
+                names += sub_names
+                mappings += sub_mappings
+            elif kind is dict or get_origin(kind) is dict:
+                mappings.append(path)
+    return sorted(set(names)), sorted(set(mappings))
+
+
+def _override_names_schema() -> dict[str, Any]:
+    names, mappings = _config_paths(PipelineConfig)
+    free = "|".join(re.escape(path) for path in mappings)
+    return {
+        "allOf": [
+            # a name the config does not have (`Endpoint`, `endpoint.api_token`) was refused only in the flow,
+            # after the server had stored the value typed beside it
+            {"anyOf": [{"enum": names}, {"pattern": f"^({free})\\..+$"}]},
+            # a whole `endpoint` section as one override replaces the block's (and carries a key unseen)
+            {"not": {"anyOf": [{"pattern": _ENDPOINT_SECTION}, {"pattern": _KEY_LIKE}]}},
+        ]
+    }
+
+
+_NO_KEY_IN_OVERRIDES: dict[str, Any] = {"propertyNames": _override_names_schema()}
 _NO_KEY_IN_CONFIG: dict[str, Any] = {
     "propertyNames": {"not": {"anyOf": [{"pattern": r"\."}, {"pattern": _KEY_LIKE}]}},
     "patternProperties": {  # `Endpoint`, `endpoint `: refused later by the config, but stored by then
-        r"^\s*[Ee][Nn][Dd][Pp][Oo][Ii][Nn][Tt]\s*$": {"propertyNames": {"not": {"pattern": _KEY_LIKE}}}
+        _ENDPOINT_SECTION: {"propertyNames": {"not": {"pattern": _KEY_LIKE}}}
     },
 }
 

@@ -87,6 +87,10 @@ def test_part_slices_partition_the_parts() -> None:
         {"config_path": "a.yaml", "overrides": {"endpoint.API_KEY": "sk-typed-KEY"}},
         {"config_path": "a.yaml", "overrides": {"endpoint.api_key ": "sk-typed-KEY"}},
         {"config_path": "a.yaml", "overrides": {"endpoint": {"model": "m", "api_key": "sk-typed-KEY"}}},
+        {"config_path": "a.yaml", "overrides": {"Endpoint": {"api_key": "sk-typed-KEY"}}},
+        {"config_path": "a.yaml", "overrides": {"ENDPOINT": {"api_key": "sk-typed-KEY"}}},
+        {"config_path": "a.yaml", "overrides": {"endpoint.key": "sk-typed-KEY"}},
+        {"config_path": "a.yaml", "overrides": {"endpoint.api_token": "sk-typed-KEY"}},
         {"config": {**INLINE, "endpoint": {"model": "m", "api_key": "sk-typed-KEY"}}},
         {"config": {**INLINE, "endpoint": {"model": "m", "Api-Key": "sk-typed-KEY"}}},
         {"config": {**INLINE, "endpoint.api_key": "sk-typed-KEY"}},
@@ -109,7 +113,17 @@ def test_the_prefect_server_refuses_a_key_in_the_run_form_before_storing_it(para
     with pytest.raises(SchemaError) as refused:
         validate({"run": params}, schema, raise_on_error=True)
     assert "typed-KEY" not in str(refused.value)
-    fine = {**params, "overrides": {"endpoint.max_in_flight": 8, "endpoint.api_key_env": "OPENROUTER_API_KEY"}}
+    fine = {
+        **params,
+        "overrides": {
+            "endpoint.max_in_flight": 8,
+            "endpoint.api_key_env": "OPENROUTER_API_KEY",
+            "endpoint.provider_routing.order": ["a"],
+            "tokenizer.completion_format.end_of_turn": "<|im_end|>",
+            "sampling": {"max_tokens": 64},
+            "run_dir": "runs/x",
+        },
+    }
     if "config" in fine:
         fine["config"] = INLINE
     assert validate({"run": fine}, schema, raise_on_error=True) == []
