@@ -3,13 +3,15 @@ how many attempts, and what the next run does about each, readable in the UI wit
 
 Invariant: the rows are `FailureRecord`s (the columns of `failed_samples.jsonl` and `status`,
 `tasks.common.failures.FAILURE_COLUMNS`), failed samples in stage order before quarantined rows, at most
-`ROWS_PER_DATASET` per dataset, and the description names the file that holds all of them. A run with no
-failed sample and no quarantined row publishes none.
+`ROWS_PER_DATASET` per dataset, and the description names the file that holds all of them. A dataset of the run
+with no failed sample and no quarantined row gets an empty table saying so: the key's latest version showed the
+failures a later run had since retried.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -36,11 +38,16 @@ def table_rows(records: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def publish_failed_samples(
-    records: list[dict[str, Any]], failed_file: Path, run_dir: Path, flow_run_id: UUID | None = None
+    records: list[dict[str, Any]],
+    failed_file: Path,
+    run_dir: Path,
+    datasets: Iterable[str] = (),
+    flow_run_id: UUID | None = None,
 ) -> list[str]:
-    """One table artifact per dataset that has failed samples or quarantined rows; returns their keys.
-    `flow_run_id` attaches them to a run from outside its context (an on-failure hook)."""
-    per: dict[str, list[dict[str, Any]]] = {}
+    """One table artifact per dataset in `datasets` or in `records`, empty for one without failed samples or
+    quarantined rows; returns their keys. `flow_run_id` attaches them to a run from outside its context (an
+    on-failure hook)."""
+    per: dict[str, list[dict[str, Any]]] = {dataset: [] for dataset in datasets}
     for record in records:
         per.setdefault(str(record["dataset"]), []).append(record)
     keys = []
@@ -48,9 +55,14 @@ def publish_failed_samples(
         classes = Counter(str(r["class"]) for r in rows)
         shown = f"the first {ROWS_PER_DATASET} shown" if len(rows) > ROWS_PER_DATASET else "all shown"
         description = (
-            f"{len(rows)} failed samples and quarantined rows of dataset {dataset} ({shown}; "
-            + ", ".join(f"{k} {n}" for k, n in classes.most_common())
-            + f"). Every one, with the same columns: {failed_file}"
+            (
+                f"{len(rows)} failed samples and quarantined rows of dataset {dataset} ({shown}; "
+                + ", ".join(f"{k} {n}" for k, n in classes.most_common())
+                + f"). Every one, with the same columns: {failed_file}"
+            )
+            if rows
+            else f"No failed samples or quarantined rows in dataset {dataset} now (older versions of this key show "
+            "failures since retried)."
         )
         key = artifact_key(dataset, run_dir)
         TableArtifact(

@@ -275,19 +275,30 @@ def _budget_stopped(stats: dict[str, Any]) -> bool:
     return bool(stats.get("total", {}).get("stopped") == "budget")
 
 
-def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
-    """A run the cost cap ended is not a failure: it completes (a plain Completed, so every run list shows it),
-    its message says so, and `mark_budget_stopped` tags it and tells automations. A retried run (the UI's Retry)
-    that completes replaces its earlier attempt's failure-summary, which the UI would otherwise show as latest."""
+def close_failure_summary(cfg: PipelineConfig) -> None:
+    """A run that completes replaces the run directory's failure-summary when its latest version is a failure
+    (an earlier attempt, the UI's Retry, or an earlier run of the same directory): the UI showed that failure as
+    the latest news of a directory a later run had finished."""
+    from prefect.artifacts import Artifact
     from prefect.runtime import flow_run
 
+    key = run_key("failure-summary", cfg.run_dir)
+    latest = Artifact.get(key)
+    if latest is None or not str(latest.data).split("\n", 1)[0].endswith(FAILED_HEADING_END):
+        return
     attempt = int(flow_run.run_count or 1)
-    if attempt > 1:
-        create_markdown_artifact(
-            key=run_key("failure-summary", cfg.run_dir),
-            markdown=f"# Attempt {attempt} completed\n\nAn earlier attempt of this run failed; this one finished "
-            "(see run-summary and run-status). The earlier failure's tables are older versions of their keys.",
-        )
+    create_markdown_artifact(
+        key=key,
+        markdown=f"# `{flow_run.name}` completed (attempt {attempt})\n\nThe failure in the older versions of this "
+        "key is over: this run finished (see run-summary and run-status; the failed-samples tables hold what is "
+        "still failed).",
+    )
+
+
+def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
+    """A run the cost cap ended is not a failure: it completes (a plain Completed, so every run list shows it),
+    its message says so, and `mark_budget_stopped` tags it and tells automations."""
+    close_failure_summary(cfg)
     if stats.get("dry_run"):  # a plain Completed looked like a run that had bought its answers
         return Completed(message="DryRun: nothing was sent; the estimate artifact says what a run would", data=stats)
     generate = stats.get("generate", stats)
@@ -461,7 +472,7 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
         cfg.scores_extracted,
     )
     failed_file = write_failed_file(status)
-    publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir)
+    publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir, [d.name for d in cfg.datasets])
     notes = "".join(f"- {line}\n" for line in status_notes(cfg.run_dir))  # paid answers in unfinished parts, spend
     create_markdown_artifact(key=run_key("run-status", cfg.run_dir), markdown=f"{status.markdown()}\n{notes}")
     create_table_artifact(
@@ -484,11 +495,19 @@ def _markdown_summary(stats: dict[str, Any]) -> str:
     return run_summary_markdown(stats)
 
 
+FAILED_HEADING_END = " failed"
+"""How the first line of a failure-summary ends: "# `<flow run name>` failed"."""
+
+
 def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
     """on_failure: a markdown artifact saying which stage stopped where and what a rerun changes, plus the
     failed-samples tables, so the UI answers 'what broke' first."""
     message_lines = [line.strip() for line in str(state.message or "").splitlines() if line.strip()]
-    lines = [f"# `{flow_run.name}` failed", "", f"**{state.type.value}**: {message_lines[0] if message_lines else ''}"]
+    lines = [
+        f"# `{flow_run.name}`{FAILED_HEADING_END}",
+        "",
+        f"**{state.type.value}**: {message_lines[0] if message_lines else ''}",
+    ]
     lines += [f"- {line}" for line in message_lines[1:]]
     lines.append("")
     key = "failure-summary"  # a run whose config does not resolve has no run directory to scope it by
@@ -507,7 +526,8 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
             lines += ["", "## What a rerun with the same parameters changes", "", *rerun_outlook(status), ""]
             lines += [status.markdown().replace("# status of", "## status of", 1), ""]
             lines.append(f"Failed and quarantined samples: `{failed_file}` (tables: the failed-samples artifacts)")
-            publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir, flow_run_id=flow_run.id)
+            datasets = [d.name for d in cfg.datasets]
+            publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir, datasets, flow_run.id)
         except Exception as exc:  # the hook must report, never raise: the run has already failed
             lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
         MarkdownArtifact(key=key, markdown="\n".join(lines), flow_run_id=flow_run.id).create()

@@ -3,9 +3,13 @@ gates: what a rerun retries is gated apart from what it cannot fix, and each mes
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
-from flows.failed_samples import COLUMNS, artifact_key, table_rows
+import pytest
+
+from flows.failed_samples import COLUMNS, artifact_key, publish_failed_samples, table_rows
 from tasks.common.config import ValidationConfig
 from tasks.common.failures import FAILURE_COLUMNS, FailureRecord, rerun_action
 from tasks.status.report import rerun_summary
@@ -83,3 +87,23 @@ def test_rerun_summary_groups_by_what_the_next_run_does() -> None:
     assert lines[0] == "2 transient (http_500 2): retried by the next run"
     assert lines[1].startswith("1 deterministic (context_length 1): never as sent")
     assert Counter(r["class"] for r in records) == {"transient": 2, "deterministic": 1}
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_dataset_whose_failures_a_later_run_retried_gets_an_empty_table(tmp_path: Path) -> None:
+    """The failed-samples card of a dataset kept showing the 4 transient failures a later run had retried as its
+    latest version (a UI probe): a dataset of the run with none now gets an empty table saying so."""
+    from prefect.artifacts import Artifact
+
+    failed = FailureRecord("s1", "P20", "responses", "http_503", "transient", 4, "x", "retried").to_dict()
+    run_dir = tmp_path / "stale"
+    assert publish_failed_samples([failed], tmp_path / "f.jsonl", run_dir, ["P20", "B1"]) == [
+        "failed-samples-b1-stale",
+        "failed-samples-p20-stale",
+    ]
+    first = Artifact.get("failed-samples-p20-stale")
+    assert first is not None and "1 failed samples" in (first.description or "") and "s1" in str(first.data)
+    publish_failed_samples([], tmp_path / "f.jsonl", run_dir, ["P20", "B1"])
+    latest = Artifact.get("failed-samples-p20-stale")
+    assert latest is not None and latest.id != first.id and json.loads(str(latest.data)) == []
+    assert (latest.description or "").startswith("No failed samples or quarantined rows in dataset P20 now")

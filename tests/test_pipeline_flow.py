@@ -182,11 +182,12 @@ def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summa
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_retried_run_that_completes_replaces_its_failure_summary(
+def test_a_run_that_completes_replaces_the_failure_summary_of_one_that_failed(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The UI's Retry of a failed run that then completes left the first attempt's failure-summary as the latest
-    version of the key (an independent UI probe): the completed attempt writes its own."""
+    """The UI's Retry of a failed run that then completes, or a new trigger of the same run directory, left the
+    failure-summary of the run that failed as the latest version of the key (independent UI probes): the run that
+    completes writes its own."""
     from prefect.artifacts import Artifact
 
     import flows.pipeline as pipeline_module
@@ -206,6 +207,18 @@ def test_a_retried_run_that_completes_replaces_its_failure_summary(
     )
     state = pipeline.with_options(retries=1, retry_delay_seconds=0)(run, return_state=True)
     assert state.is_completed() and len(attempts) == 2
+    assert Artifact.get("failure-summary-retried") is None, "an attempt Prefect retries writes no failure-summary"
+
+    # Failed, then triggered again (the probe's case; the UI's Retry of the failed run is the same flow run with
+    # run_count 2): the completed run writes its own; a clean run after a clean run writes nothing more.
+    attempts.clear()
+    failed = pipeline(run, return_state=True)
+    assert (
+        failed.is_failed() and Artifact.get("failure-summary-retried").flow_run_id == failed.state_details.flow_run_id
+    )  # type: ignore[union-attr]
+    again = pipeline(run, return_state=True)
     summary = Artifact.get("failure-summary-retried")
-    assert summary is not None and summary.flow_run_id == state.state_details.flow_run_id
-    assert "Attempt 2 completed" in str(summary.data)
+    assert again.is_completed() and summary is not None and summary.flow_run_id == again.state_details.flow_run_id
+    assert "completed (attempt 1)" in str(summary.data)
+    assert pipeline(run, return_state=True).is_completed()
+    assert Artifact.get("failure-summary-retried").flow_run_id == again.state_details.flow_run_id  # type: ignore[union-attr]
