@@ -284,7 +284,7 @@ def close_failure_summary(cfg: PipelineConfig) -> None:
 
     key = run_key("failure-summary", cfg.run_dir)
     latest = Artifact.get(key)
-    if latest is None or not str(latest.data).split("\n", 1)[0].endswith(FAILED_HEADING_END):
+    if not isinstance(latest, Artifact) or not str(latest.data).split("\n", 1)[0].endswith(FAILED_HEADING_END):
         return
     attempt = int(flow_run.run_count or 1)
     create_markdown_artifact(

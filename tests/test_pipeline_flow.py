@@ -215,10 +215,10 @@ def test_a_run_that_completes_replaces_the_failure_summary_of_one_that_failed(
     failed = pipeline(run, return_state=True)
     assert (
         failed.is_failed() and Artifact.get("failure-summary-retried").flow_run_id == failed.state_details.flow_run_id
-    )  # type: ignore[union-attr]
+    )
     again = pipeline(run, return_state=True)
     summary = Artifact.get("failure-summary-retried")
     assert again.is_completed() and summary is not None and summary.flow_run_id == again.state_details.flow_run_id
     assert "completed (attempt 1)" in str(summary.data)
     assert pipeline(run, return_state=True).is_completed()
-    assert Artifact.get("failure-summary-retried").flow_run_id == again.state_details.flow_run_id  # type: ignore[union-attr]
+    assert Artifact.get("failure-summary-retried").flow_run_id == again.state_details.flow_run_id
