@@ -283,8 +283,8 @@ def close_failure_summary(cfg: PipelineConfig) -> None:
     from prefect.runtime import flow_run
 
     key = run_key("failure-summary", cfg.run_dir)
-    latest = Artifact.get(key)
-    if not isinstance(latest, Artifact) or not str(latest.data).split("\n", 1)[0].endswith(FAILED_HEADING_END):
+    latest = getattr(Artifact.get(key), "data", None)  # the latest version's markdown, or None: no such key
+    if latest is None or not str(latest).split("\n", 1)[0].endswith(FAILED_HEADING_END):
         return
     attempt = int(flow_run.run_count or 1)
     create_markdown_artifact(
