@@ -152,3 +152,27 @@ def test_the_pending_notice_names_the_amount_and_what_settles_it() -> None:
     assert shared is not None and "pending: $0.0150 over 3 attempts" in shared and "$0.2500 billed" in shared
     assert "account_settlement: exclusive_key" in shared
     assert pending_notice({**spend, "pending_attempts": 0}, "off") is None
+
+
+def test_a_window_with_attempts_awaiting_their_generation_records_is_left_to_those_records(tmp_path: Path) -> None:
+    """A provider that cannot cancel a cut stream bills it when the model finishes, after the key's usage looked
+    stable: the window read $0 for 7 cut streams billed $0.81 (a billing probe), and the cap was crossed. With
+    generation records looked up, such a window waits for them; without, the key's account is all there is."""
+    segment(
+        tmp_path,
+        "001",
+        [
+            acct("start", 0.0, 1.0),
+            sent("a:0", 1.0, t=2.0),
+            {"k": "b", "a": "a:0", "o": "answered", "c": 1.0, "g": "g0", "r": None},
+            sent("a:1", 1.0, t=3.0),
+            {"k": "b", "a": "a:1", "o": "pending", "c": None, "g": "g1", "r": "stream_idle"},
+            sent("a:2", 1.0, t=3.5),
+            {"k": "b", "a": "a:2", "o": "pending", "c": None, "g": None, "r": "connection"},
+            acct("end", 1.0, 4.0),
+        ],
+    )
+    ledger = SpendLedger.load(tmp_path)
+    settled, problems = account_settlements(ledger, records_settle_ids=True)
+    assert settled == [] and len(problems) == 1 and "1 of 2 pending attempts" in problems[0]
+    assert dict(account_settlements(ledger)[0]) == pytest.approx({"a:1": 0.0, "a:2": 0.0})

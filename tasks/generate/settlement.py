@@ -86,9 +86,17 @@ class SettlementReport:
         return {"by_source": by_source, "problems": list(self.problems)}
 
 
-def account_settlements(ledger: SpendLedger) -> tuple[list[tuple[str, float]], list[str]]:
+def account_settlements(
+    ledger: SpendLedger, records_settle_ids: bool = False
+) -> tuple[list[tuple[str, float]], list[str]]:
     """(uid, cost) for every pending attempt that a pair of consecutive stable account readings settles, and one
-    line per window that cannot be settled. Pure: reads the ledger view only."""
+    line per window that cannot be settled. Pure: reads the ledger view only.
+
+    With `records_settle_ids` (generation records are looked up), a window holding a pending attempt with a
+    generation id is left to those records: a provider that cannot cancel a cut stream bills it when the model
+    finishes, after the key's usage looked stable, so the window read $0 for it (7 cut streams settled at $0
+    against a $0.81 bill, and the cap was crossed). Once its records settle those attempts, the window settles
+    what remains."""
     snaps = ledger.stable_accounts()
     if len(snaps) < 2:
         return [], []
@@ -105,6 +113,14 @@ def account_settlements(ledger: SpendLedger) -> tuple[list[tuple[str, float]], l
     for i, members in sorted(windows.items()):
         pending = [(uid, a) for uid, a in members if a.state == "pending"]
         if not pending:
+            continue
+        awaiting_records = sum(1 for _, a in pending if a.generation_id) if records_settle_ids else 0
+        if awaiting_records:
+            problems.append(
+                f"{awaiting_records} of {len(pending)} pending attempts in an account window have a generation id "
+                "whose record is not in yet (a cut stream may be billed when the model finishes): their records "
+                "settle them, then the window the rest"
+            )
             continue
         known = sum(a.billed_usd for _, a in members)
         charged = snaps[i].usage_usd - snaps[i - 1].usage_usd
@@ -231,7 +247,7 @@ class Settler:
             )
 
     async def _settle_by_account(self) -> None:
-        settlements, problems = account_settlements(self.ledger)
+        settlements, problems = account_settlements(self.ledger, self.by_generation)
         self.report.problems.extend(problems)
         if not settlements:
             return
