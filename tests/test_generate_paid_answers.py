@@ -18,7 +18,16 @@ from tasks.common.config import SamplingConfig
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.progress import format_usd
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
-from tests.test_generate_failures import committed_chunks, make_cfg, question, responses, run, write_prompts
+from tests.test_generate_failures import (
+    PRICE_COMPLETION,
+    PRICE_PROMPT,
+    committed_chunks,
+    make_cfg,
+    question,
+    responses,
+    run,
+    write_prompts,
+)
 
 PROMPTS = 4
 
@@ -73,6 +82,58 @@ def test_an_answer_without_usage_cost_is_counted_at_its_generation_record(
     totals = SpendLedger.load(tmp_path).totals()
     assert totals.pending_attempts == 0
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["chat", "stream"])
+def test_an_answer_without_usage_cost_is_recorded_at_its_bill_without_reconcile_cost(
+    mode: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Without `reconcile_cost` (the default) such answers were booked as billed at the configured prices: a
+    provider billing twice those prices was recorded at half its bill (a billing probe). Where the endpoint keeps
+    generation records, the record is the bill."""
+    sim_cfg = SimConfig(seed=7, report_cost=False, price_prompt_usd_per_mtok=2.0, price_completion_usd_per_mtok=6.0)
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, mode)
+    assert summary["done"] == PROMPTS
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+    assert sum(r["cost_usd"] for r in responses(tmp_path).values()) == pytest.approx(provider / 2, rel=0.02)
+
+
+def test_an_endpoint_without_generation_records_is_looked_up_once(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A priced server without records (a vendor billing per token, a local server): the first cost-less answer
+    finds none, the others are not looked up, all are recorded at the configured prices, and the run says so."""
+    from tasks.generate import client
+    from tasks.generate.progress import RunEvent, add_event_listener
+
+    monkeypatch.setattr(client, "LOOKUP_DELAYS_S", (0.05, 0.05))
+    events: list[RunEvent] = []
+    remove = add_event_listener(events.append)
+    write_prompts(tmp_path, [question("no-records", i) for i in range(PROMPTS)])
+    sim_cfg = SimConfig(  # billing at the configured prices: there the estimate is the bill
+        seed=7,
+        report_cost=False,
+        generation_lookup_delay_s=3600.0,
+        price_prompt_usd_per_mtok=PRICE_PROMPT,
+        price_completion_usd_per_mtok=PRICE_COMPLETION,
+    )
+    try:
+        with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+            cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "chat", SamplingConfig(max_tokens=512))
+            summary = run(cfg, None).total()  # type: ignore[arg-type]
+            provider = float(sim.billing()["total_usd"])
+            lookups = sim.stats()["generation_lookups"]
+    finally:
+        remove()
+    assert summary["done"] == PROMPTS and sum(lookups.values()) == 3, lookups
+    assert SpendLedger.load(tmp_path).totals().counted_usd == pytest.approx(provider, abs=1e-12)
+    assert [e.message for e in events if e.kind == "unreconciled"] == [
+        f"{PROMPTS} answers carried no usage.cost and the endpoint keeps no generation record for them (GET "
+        ".../generation?id=): recorded at the configured prices (endpoint.price_*_usd_per_mtok), an estimate, not "
+        "the bill"
+    ]
 
 
 @pytest.mark.parametrize("reconcile", [True, False])

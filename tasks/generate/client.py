@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from functools import partial
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import aiohttp
 from transformers import PreTrainedTokenizerBase
@@ -493,6 +493,10 @@ class EndpointClient:
         self.retries_by_reason: Counter[str] = Counter()
         self.unreconciled = 0
         """Answers `reconcile_cost` could not look up (no generation record with a cost): kept at their own cost."""
+        self.priced_not_billed = 0
+        """Answers without usage.cost and without a generation record: recorded at the configured prices."""
+        self._records: Literal["unknown", "yes", "no"] = "unknown"
+        self._records_probe: asyncio.Future[None] | None = None
         self.started = time.monotonic()
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
@@ -709,18 +713,41 @@ class EndpointClient:
             # cost at all (its usage chunk cut off after the finish chunk) is kept, its cost pending.
             paid = answer_cost(result)
             try:
-                if ep.reconcile_cost and ep.kind == "openai_chat" and result.generation_id:
-                    result.billed_cost_usd = await self.lookup_cost(result.generation_id)
+                if ep.kind == "openai_chat" and result.generation_id:
+                    if ep.reconcile_cost:
+                        result.billed_cost_usd = await self.lookup_cost(result.generation_id)
+                        self.unreconciled += result.billed_cost_usd is None
+                    elif result.cost_priced and ep.settle_pending:
+                        result.billed_cost_usd = await self._record_cost(result.generation_id)
+                        self.priced_not_billed += result.billed_cost_usd is None
                     if result.billed_cost_usd is not None:
                         paid = result.billed_cost_usd
-                    else:
-                        self.unreconciled += 1
             finally:  # a cancelled lookup still leaves the answer recorded, at its reported cost
                 budget.settle(reserve, worst if paid is None else paid)
                 self._ended(uid, "pending" if paid is None else "answered", paid, result.generation_id, None, worst)
             self._learn_prices(reserve, paid, result)
             cost += result.cost_usd or 0.0  # the row's reported cost; billed_cost_usd beside it shows any drift
             return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
+
+    async def _record_cost(self, generation_id: str) -> float | None:
+        """The billed cost of an answer that carried no usage.cost, from its generation record, where the endpoint
+        keeps them: priced from the config's table, a provider billing twice those prices was recorded at half its
+        bill and crossed the cap by 1.6x. Whether it keeps records is learned from the first such answer (one
+        lookup, up to ~15 s of 404s; the others wait for it): an OpenAI-compatible server without them (a vendor
+        billing per token, a local server) costs one lookup per run, not one per answer."""
+        while self._records == "unknown":
+            if self._records_probe is not None:
+                await asyncio.shield(self._records_probe)
+                continue
+            self._records_probe = asyncio.get_running_loop().create_future()
+            try:
+                cost = await self.lookup_cost(generation_id)
+                self._records = "no" if cost is None else "yes"
+                return cost
+            finally:
+                self._records_probe.set_result(None)
+                self._records_probe = None
+        return await self.lookup_cost(generation_id) if self._records == "yes" else None
 
     def _learn_prices(self, reserve: float, billed: float | None, result: GenerationResult | None) -> None:
         """Worst cases count at the prices the endpoint bills when they are above the config's: an answer's cost

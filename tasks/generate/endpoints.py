@@ -73,6 +73,8 @@ class GenerationResult:
     billed_cost_usd: float | None = None
     cost_unknown: bool = False
     """usage carried a cost that could not be read (`unreadable_cost`): pending, whatever the tokens price at"""
+    cost_priced: bool = False
+    """usage carried no cost: `cost_usd` is the configured price table's figure for its tokens, not a bill"""
 
 
 def endpoint_url(cfg: PipelineConfig) -> str:
@@ -289,7 +291,8 @@ def _parse_chat(
     completion_tokens = _opt_int(usage.get("completion_tokens"), "usage.completion_tokens")
     cost = reported_cost(usage)
     unknown = cost is None and unreadable_cost(usage)
-    if cost is None and not unknown:
+    priced = cost is None and not unknown
+    if priced:
         cost = price_cost(cfg, prompt_tokens, completion_tokens)
     reasoning = _opt_str(reasoning, "message.reasoning")
     content = _opt_str(message.get("content"), "message.content")
@@ -316,6 +319,7 @@ def _parse_chat(
         prompt_ids=None,
         quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
         cost_unknown=unknown,
+        cost_priced=priced and cost is not None,
     )
 
 

@@ -694,6 +694,16 @@ async def _generate_async(
                         time.monotonic() - client.started,
                     )
                 )
+            if client.priced_not_billed:
+                emit_event(
+                    RunEvent(
+                        "unreconciled",
+                        f"{client.priced_not_billed} answers carried no usage.cost and the endpoint keeps no "
+                        "generation record for them (GET .../generation?id=): recorded at the configured prices "
+                        "(endpoint.price_*_usd_per_mtok), an estimate, not the bill",
+                        time.monotonic() - client.started,
+                    )
+                )
         except BaseException as failure:
             if isinstance(failure, FatalEndpointError) and running:
                 # The requests in flight were sent with the same key to the same endpoint: most get the same
