@@ -112,7 +112,7 @@ class FailureRule(BaseModel):
     names_generation: bool = Field(
         default=False,
         description='"http": the error carries X-Generation-Id although nothing was generated or billed (no '
-        "generation record is ever written)",
+        'generation record is ever written); "error_body": the id too, and a record of $0 with no token',
     )
 
 

@@ -236,7 +236,14 @@ def _failure_response(
             ),
         )
     if rule.kind == "error_body":
-        return state.respond(200, _error(502, f"simulated upstream error (attempt {attempt})"))
+        if not rule.names_generation:
+            return state.respond(200, _error(502, f"simulated upstream error (attempt {attempt})"))
+        gen_id = f"gen-{attempt}-{key}"  # an errored generation OpenRouter records: nothing charged, no token
+        state.generations.add(
+            Generation(gen_id, 0.0, "sim", state.config.model_name, 0, 0, 0, "error", 0.0, 0.0, False, time.monotonic())
+        )
+        body = {**_error(502, f"simulated upstream error (attempt {attempt})"), "id": gen_id}
+        return state.respond(200, body, {GENERATION_ID_HEADER: gen_id})
     if rule.kind == "invalid_json":
         state.by_status["200"] += 1
         return web.Response(status=200, text=INVALID_JSON_BODY, content_type="text/html")

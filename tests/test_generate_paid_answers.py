@@ -136,6 +136,24 @@ def test_an_endpoint_without_generation_records_is_looked_up_once(
     ]
 
 
+def test_an_unbilled_error_body_is_settled_at_its_zero_record_once_old_enough(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An HTTP 200 error body naming a generation the provider recorded at $0 with no token: the record was read
+    as one still being written on every pass, so the attempts stayed pending at worst case for good ($4.13
+    against a $0 bill stopped every rerun at its cap; a billing probe). Once the error is old enough that its
+    record is written (here at once), $0 is its bill."""
+    from tasks.generate import settlement
+
+    monkeypatch.setattr(settlement, "ABSENT_RECORD_GRACE_S", 0.0)
+    rule = FailureRule(kind="error_body", rate=1.0, attempts=1, names_generation=True)
+    summary, provider = _run(tmp_path, tokenizer_dir, SimConfig(seed=11, failures=(rule,)), "chat")
+    assert summary["done"] == PROMPTS and summary["retries_by_reason"] == {"error_body": PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0 and dict(totals.settled_by) == {"generation": PROMPTS}
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
 @pytest.mark.parametrize("reconcile", [True, False])
 def test_a_generation_record_still_being_written_is_not_the_bill(
     reconcile: bool, tmp_path: Path, tokenizer_dir: Path

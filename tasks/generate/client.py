@@ -982,7 +982,11 @@ class EndpointClient:
         raise SampleFatalError(f"http_{status}", f"HTTP {status} (not retried): {snippet}", billed, generation_id)
 
     async def lookup_cost(
-        self, generation_id: str, delays_s: tuple[float, ...] | None = None, absent_usd: float | None = None
+        self,
+        generation_id: str,
+        delays_s: tuple[float, ...] | None = None,
+        absent_usd: float | None = None,
+        zero_is_final: bool = False,
     ) -> float | None:
         """OpenRouter's billed total for one generation; it appears a moment after the answer, so 404s are
         retried after each of `delays_s`, and so is a record that costs nothing and counts no tokens (one still
@@ -990,7 +994,9 @@ class EndpointClient:
         the generation was `cancelled` (a request cut before its first token: a real $0, which left attempts
         pending at worst case forever). A free model's record counts its tokens. None when no record appears:
         reconciliation is best-effort. `absent_usd`: what to return when every lookup answered 404 (the provider
-        has no such generation), for an attempt whose absent record means it was not billed."""
+        has no such generation), for an attempt whose absent record means it was not billed. `zero_is_final`: a
+        record of $0 with no token is the bill (a generation the provider ended with an error, long enough ago
+        that its record is written)."""
         if self._session is None:
             return None
         url = generation_lookup_url(self.cfg, generation_id)
@@ -1013,7 +1019,7 @@ class EndpointClient:
             cost = record_cost(data) if isinstance(data, dict) else None
             if cost is None or not isinstance(data, dict):
                 return None
-            if cost == 0 and not _counts_tokens(data) and data.get("cancelled") is not True:
+            if cost == 0 and not zero_is_final and not _counts_tokens(data) and data.get("cancelled") is not True:
                 only_404 = False
                 continue
             return cost

@@ -224,9 +224,10 @@ class Settler:
         now = time.time()
 
         async def one(uid: str, generation_id: str) -> float | None:
+            attempt = self.ledger.attempts[uid]
             async with gate:
-                absent = 0.0 if unbilled_unless_recorded(self.ledger.attempts[uid], now) else None
-                return await self.client.lookup_cost(generation_id, delays_s, absent)
+                absent = 0.0 if unbilled_unless_recorded(attempt, now) else None
+                return await self.client.lookup_cost(generation_id, delays_s, absent, ended_long_ago(attempt, now))
 
         costs = await asyncio.gather(*(one(uid, gid) for uid, gid, _ in pending))
         settled = [(uid, cost) for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is not None]
@@ -315,6 +316,24 @@ class Settler:
         emit_event(RunEvent("settled", message, time.monotonic() - self.client.started))
 
 
+ENDED_WITH_ERROR_REASONS = frozenset({"error_body", "stream_error"})
+"""The provider ended the generation and said so (an HTTP 200 error body, an error chunk): nothing more is
+generated, so its record, once written, does not change."""
+
+
+def ended_long_ago(attempt: Attempt, now: float) -> bool:
+    """A generation the provider ended with an error (a status that named it, an error body or chunk) at least
+    `ABSENT_RECORD_GRACE_S` ago: a record of $0 with no token is its bill, not one still being written. Unbilled
+    error bodies with such records stayed pending at worst case for good and stopped every later run at its cap
+    (a billing probe: $4.13 pending against $0 billed). A cut stream is not ended: a provider that cannot cancel
+    it bills it when the model finishes, possibly minutes later."""
+    code = "400" if attempt.reason == "context_length" else (attempt.reason or "").removeprefix("http_")
+    errored = attempt.reason in ENDED_WITH_ERROR_REASONS or (
+        code.isdigit() and int(code) not in UPSTREAM_TIMEOUT_STATUS
+    )
+    return errored and attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
+
+
 def unbilled_unless_recorded(attempt: Attempt, now: float) -> bool:
     """An error status that named a generation (`X-Generation-Id` on a 429, 502, 503, a 4xx) is pending until its
     record says what it cost; a provider that names generations it never bills writes no record, and such attempts
@@ -344,6 +363,6 @@ def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None
     )
     return (
         f"pending: {format_usd(spend.get('pending_usd'))} over {count} attempts in this run directory sent without "
-        f"an answer a process could read (timeouts, resets, kills), counted at their worst case against "
-        f"endpoint.max_cost_usd beside {format_usd(spend.get('billed_usd'))} billed; {how}."
+        "a bill a process could read (timeouts, resets, kills, errors that name a generation), counted at their "
+        f"worst case against endpoint.max_cost_usd beside {format_usd(spend.get('billed_usd'))} billed; {how}."
     )
