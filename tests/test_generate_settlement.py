@@ -28,9 +28,7 @@ def settle_cfg(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, data: 
         data,
         max_in_flight=IN_FLIGHT,
         max_cost_usd=CAP_USD,
-        account_settle_stable_s=0.2,
-        account_settle_wait_s=30.0,
-        **endpoint,
+        **{"account_settle_stable_s": 0.2, "account_settle_wait_s": 30.0, **endpoint},
     )
 
 
@@ -116,3 +114,25 @@ def test_a_rerun_with_nothing_left_to_send_settles_what_a_killed_run_left_pendin
     totals = ledger.totals()
     assert totals.pending_attempts == 0 and totals.counted_usd == pytest.approx(provider, abs=1e-12)
     assert summary["settlement"]["by_source"]["account"]["attempts"] == 2 and summary["requests_sent"] == 0
+
+
+def test_a_key_whose_usage_is_behind_the_ledger_says_why_the_run_waits(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key reading less than the run directory's answers known billed (a rotated key, a restarted local
+    endpoint) held generate silent for `account_settle_wait_s` (120 s by default) and its reason reached only
+    run_summary.json on the worker (a UI probe). The wait and its outcome are run events: a log line each."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 8, "behind")
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=4)) as sim:
+        config = settle_cfg(tmp_path, sim, tokenizer_dir, data, account_settlement="exclusive_key")
+        first = run_main(capsys, "generate", str(config), "--no-progress")
+    write_dataset(data, 12, "behind")
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=4)) as fresh:  # a new key: its usage starts at $0
+        config = settle_cfg(
+            tmp_path, fresh, tokenizer_dir, data, account_settlement="exclusive_key", account_settle_wait_s=1.0
+        )
+        second = run_main(capsys, "generate", str(config), "--no-progress")
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    assert "key's account at" in second.stderr and "waiting up to 1 s (endpoint.account_settle_wait_s)" in second.stderr
+    assert "did not settle within endpoint.account_settle_wait_s=1 s (behind the answers known billed)" in second.stderr

@@ -83,7 +83,9 @@ class ProgressSnapshot:
 
 Listener = Callable[[ProgressSnapshot], None]
 
-RunEventKind = Literal["outage_start", "outage_end", "budget_stop", "settled", "price_drift", "unreconciled"]
+RunEventKind = Literal[
+    "outage_start", "outage_end", "budget_stop", "settled", "price_drift", "unreconciled", "account_wait"
+]
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ EVENT_LABELS: dict[str, str] = {
     "settled": "pending spend settled",
     "price_drift": "billed above the configured prices",
     "unreconciled": "costs not reconciled",
+    "account_wait": "key's account",
 }
 
 

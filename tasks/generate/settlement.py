@@ -30,7 +30,7 @@ import aiohttp
 from tasks.common.config import PipelineConfig
 from tasks.generate.health import UPSTREAM_TIMEOUT_STATUS
 from tasks.generate.ledger import Attempt, LedgerWriter, SpendLedger
-from tasks.generate.progress import RunEvent, emit_event, format_usd
+from tasks.generate.progress import RunEvent, RunEventKind, emit_event, format_usd
 
 if TYPE_CHECKING:
     from tasks.generate.client import Budget, EndpointClient
@@ -272,6 +272,7 @@ class Settler:
         deadline = time.monotonic() + ep.account_settle_wait_s
         last_usage: float | None = None
         changed_at = time.monotonic()
+        told = False
         while True:
             reading = await self._read_key()
             if isinstance(reading, str):
@@ -284,13 +285,23 @@ class Settler:
             stable = covers and now - changed_at >= ep.account_settle_stable_s
             if stable or now >= deadline:
                 break
+            if not covers and not told:
+                told = True
+                self._event(
+                    f"waiting up to {ep.account_settle_wait_s:g} s (endpoint.account_settle_wait_s) for the key's "
+                    f"usage, {format_usd(reading.usage_usd)}, to cover the {format_usd(expected)} its answers known "
+                    f"billed add up to ({'before anything is sent' if at == 'start' else 'at the run end'})",
+                    "account_wait",
+                )
             await asyncio.sleep(min(ACCOUNT_POLL_S, max(0.0, deadline - now)))
         if not stable:
-            self.report.problems.append(
+            problem = (
                 f"the key's usage did not settle within endpoint.account_settle_wait_s="
                 f"{ep.account_settle_wait_s:g} s ({'still moving' if covers else 'behind the answers known billed'}); "
                 f"the {at} reading settles nothing"
             )
+            self.report.problems.append(problem)
+            self._event(problem, "account_wait")
         self.ledger.apply(self.writer.account(at, reading.usage_usd, reading.limit_remaining_usd, stable))
         return True
 
@@ -312,8 +323,8 @@ class Settler:
         remaining = data.get("limit_remaining") if isinstance(data, dict) else None
         return KeyReading(float(usage), float(remaining) if isinstance(remaining, int | float) else None)
 
-    def _event(self, message: str) -> None:
-        emit_event(RunEvent("settled", message, time.monotonic() - self.client.started))
+    def _event(self, message: str, kind: RunEventKind = "settled") -> None:
+        emit_event(RunEvent(kind, message, time.monotonic() - self.client.started))
 
 
 ENDED_WITH_ERROR_REASONS = frozenset({"error_body", "stream_error"})
