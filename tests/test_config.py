@@ -36,6 +36,29 @@ def test_relative_paths_resolve_against_the_file_and_overrides_apply(tmp_path: P
     assert cfg.endpoint.max_in_flight == 7
 
 
+def test_relative_paths_typed_as_overrides_resolve_against_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--set run_dir=../runs/x` wrote the run relative to wherever a later stage looked, printed relative (a
+    newcomer probe): a typed path means what the shell means, and is absolute from then on."""
+    here = tmp_path / "work" / "repo"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    cfg = load_config(
+        write(tmp_path, BASE),
+        {
+            "run_dir": "../runs/x",
+            "tokenizer.path": "model",
+            "datasets": [{"name": "B2", "path": "data/b2.jsonl"}],
+            "extract": {"model_path": "/abs/model"},
+            "endpoint.model": "relative/looking",
+        },
+    )
+    assert cfg.run_dir == tmp_path / "work" / "runs" / "x"
+    assert cfg.tokenizer.path == here / "model" and cfg.datasets[0].path == here / "data" / "b2.jsonl"
+    assert str(cfg.extract.model_path) == "/abs/model" and cfg.endpoint.model == "relative/looking"
+
+
 @pytest.mark.parametrize(
     "patch, message",
     [

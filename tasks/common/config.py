@@ -627,7 +627,22 @@ def load_config(path: Path | str, overrides: dict[str, Any] | None = None) -> Pi
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path} must be a YAML mapping, got {type(raw).__name__}")
     raw = _resolve_paths(raw, path.parent.resolve())
-    return PipelineConfig.model_validate(apply_overrides(raw, overrides or {}))
+    return PipelineConfig.model_validate(apply_overrides(raw, typed_paths(overrides or {})))
+
+
+def typed_paths(overrides: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
+    """Overrides with their relative paths made absolute against `base` (the current folder): typed on a
+    command line (`--set run_dir=../runs/x`), a path means what the shell means by it. Left relative, `run_dir`
+    printed relative and a later stage could resolve it elsewhere; resolved against the config's folder, as
+    the YAML's own paths are, it wrote the run outside the folder the user was in."""
+    folder = (base or Path.cwd()).resolve()
+    out = {}
+    for dotted, value in overrides.items():
+        node: Any = _resolve_paths(apply_overrides({}, {dotted: value}), folder)
+        for part in dotted.split("."):
+            node = node[part]
+        out[dotted] = node
+    return out
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
