@@ -1,7 +1,8 @@
 """The validation split of an export: whole prompts, chosen by a hash of the prompt id, never by file order.
 
-Several samples can share a prompt (`sampling.samples_per_prompt`, one sample per regenerated turn); a drafter
-evaluated on a held-out sample whose prompt it trained on would be measured on its training data. So the unit
+Several samples can share a prompt (`sampling.samples_per_prompt`; a conversation regenerated turn by turn is
+one sample); a drafter evaluated on a held-out sample whose prompt it trained on would be measured on its
+training data. So the unit
 of the split is the prompt: `prompt_id` from the run's `prompts` parts, joined by sample_id. A sample whose
 prompt row is missing (a run directory without its `prompts` stage) is its own group, and the manifest says
 which grouping was used. Membership is a pure function of (prompt id, fraction, seed): it does not change when
