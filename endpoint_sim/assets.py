@@ -98,11 +98,28 @@ def build_tiny_model_dir(model_dir: Path, seed: int = 0, num_hidden_layers: int 
     model = LlamaForCausalLM(config)
     model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' wrapped .to() confuses mypy
     model.save_pretrained(model_dir, safe_serialization=True)
+    write_single_file_index(model_dir)
     return model_dir
+
+
+def write_single_file_index(model_dir: Path) -> None:
+    """`model.safetensors.index.json` for a one-file checkpoint, as a sharded one has: SpecForge 0.2.0 reads the
+    target's lm_head through exactly one `*.index.json`, so every export of the demo and real-model runs warned
+    that `TargetHead` would not load from the project's own targets."""
+    from safetensors import safe_open
+
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists() or not single.is_file():
+        return
+    with safe_open(str(single), framework="pt") as f:
+        weight_map = dict.fromkeys(f.keys(), single.name)
+    index.write_text(json.dumps({"metadata": {"total_size": single.stat().st_size}, "weight_map": weight_map}))
 
 
 def ensure_tiny_model_dir(model_dir: Path, seed: int = 0) -> Path:
     """Build once; a directory with weights already present is reused (the demo reruns fast)."""
     if (model_dir / "config.json").exists() and any(model_dir.glob("*.safetensors")):
+        write_single_file_index(model_dir)  # built before the index was written
         return model_dir
     return build_tiny_model_dir(model_dir, seed=seed)

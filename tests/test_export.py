@@ -314,14 +314,19 @@ def test_specforge_config_reads_a_tied_head_and_names_the_missing_index(
     run_dir: Path, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """The tiny target ties its lm_head to its embedding and is one safetensors file: SpecForge 0.2.0's
-    `TargetHead` looks `model.lm_head_key` up in a `*.index.json`, so the config names the embedding's key and the
-    export warns, saying which index to write."""
+    `TargetHead` looks `model.lm_head_key` up in a `*.index.json`, so the config names the embedding's key; the
+    project's own targets carry that index, and a one-file target without it gets a warning saying which index
+    to write."""
+    assert export_run(run_dir, "specforge", tmp_path / "own", val_fraction=0.3)["warnings"] == []
+    bare = tmp_path / "bare-target"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "model.safetensors.index.json").unlink()
     out = tmp_path / "sf"
-    stats = export_run(run_dir, "specforge", out, val_fraction=0.3)
+    stats = export_run(run_dir, "specforge", out, val_fraction=0.3, target_model=bare)
     text = (out / "specforge_config.yaml").read_text()
     config = yaml.safe_load(text)
     assert config["model"] == {
-        "target_model_path": str(tiny_model_dir.resolve()),
+        "target_model_path": str(bare.resolve()),
         "aux_hidden_state_layer_ids": [1, 3, 4],
         "torch_dtype": "bfloat16",
         "lm_head_key": "model.embed_tokens.weight",
