@@ -548,3 +548,43 @@ def test_the_spend_ledger_travels_between_hosts_through_the_artifact_store(tmp_p
     assert LogMirror(second, every_s=60).pull() == {"ledgers": 1, "journals": 0}
     assert LogMirror(second, every_s=60).pull() == {"ledgers": 0, "journals": 0}
     assert SpendLedger.load(second.local_run_dir).totals().counted_usd == pytest.approx(0.375)
+
+
+@pytest.mark.slow  # two CLI processes and a 3.5 s wait for the records: make test-long
+def test_a_kill_while_answers_wait_for_their_records_loses_none_and_the_rerun_settles_them(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """Answers without usage.cost are settled from their generation records, which take seconds to appear: looked
+    up before the answer was handed back, a `kill -9` in those seconds lost paid answers, bought again. The
+    answers are journaled first and pending with their ids; after the kill, the rerun buys none of them again and
+    settles each at its record."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 48, "records-late")
+    log = tmp_path / "generate.log"
+    sim_cfg = SimConfig(seed=12, report_cost=False, generation_lookup_delay_s=3.0, latency_s=0.05)
+    with SimulatorServer(tokenizer_dir, sim_cfg) as sim:
+        config = write_config(tmp_path, sim, tokenizer_dir, data, max_cost_usd=None, journal_group_commit_s=0.05)
+        proc = cli(config, log)
+        try:
+            wait_for_billed(sim, proc, 24, log)
+            time.sleep(1.0)  # the group commit has journaled what was read; no record has appeared yet
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        read_before_kill = {r["generation_id"] for r in durable_rows(tmp_path / "run").values()}
+        assert len(read_before_kill) >= 16, "the kill came before the answers were journaled"
+        time.sleep(3.5)  # their records are in now
+        final = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert final.returncode == 0, final.stdout + final.stderr
+        by_key = Counter(sim.stats()["by_key"])
+        provider = float(sim.billing()["total_usd"])
+    assert set(by_key.values()) == {1} and len(by_key) == 48, "an answer was bought again"
+    totals = SpendLedger.load(tmp_path / "run").totals()
+    assert totals.pending_attempts == 0 and totals.settled_by["generation"] >= len(read_before_kill)
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)

@@ -59,7 +59,7 @@ from tasks.generate.endpoints import (
     usd_number,
 )
 from tasks.generate.health import UNAVAILABLE_STATUS, UPSTREAM_TIMEOUT_STATUS, probe_url
-from tasks.generate.ledger import LedgerWriter, Outcome
+from tasks.generate.ledger import NO_USAGE_COST, LedgerWriter, Outcome, SettledBy
 from tasks.generate.progress import RunEvent, emit_event
 from tasks.generate.sse import StreamAssembler
 from tasks.generate.stall_watch import StallWatch, stop_per_read_timer
@@ -452,6 +452,12 @@ class Budget:
             self._reclaiming = None
             self._admit_waiters()
 
+    def rebill(self, counted: float, billed: float) -> None:
+        """A pending attempt counted at `counted` turned out to cost `billed`: waiters that now fit start."""
+        self.spent_usd += billed - counted
+        if self.cap_usd is not None:
+            self._admit_waiters()
+
     def settle(self, reserved: float, billed: float) -> None:
         """`reserved`: the amount `reserve` took (config prices); `billed`: dollars spent."""
         self.spent_usd += billed
@@ -497,6 +503,7 @@ class EndpointClient:
         """Answers without usage.cost and without a generation record: recorded at the configured prices."""
         self._records: Literal["unknown", "yes", "no"] = "unknown"
         self._records_probe: asyncio.Future[None] | None = None
+        self._bills: dict[str, asyncio.Task[None]] = {}
         self.started = time.monotonic()
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
@@ -536,6 +543,9 @@ class EndpointClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.breaker.close()
+        for bill in list(self._bills.values()):  # a run that stopped early: those stay pending with their ids
+            bill.cancel()
+        await asyncio.gather(*self._bills.values(), return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -712,29 +722,72 @@ class EndpointClient:
             # usage.cost is otherwise priced from the config's table, which is not the bill. An answer with no
             # cost at all (its usage chunk cut off after the finish chunk) is kept, its cost pending.
             paid = answer_cost(result)
+            gid = result.generation_id
+            if ep.kind == "openai_chat" and gid and not ep.reconcile_cost and result.cost_priced and ep.settle_pending:
+                if self._records != "no" and uid is not None:
+                    budget.settle(reserve, worst)
+                    self._ended(uid, "pending", None, gid, NO_USAGE_COST, worst, paid)
+                    self._bills[uid] = asyncio.create_task(self._bill_from_record(uid, gid, worst, paid or 0.0, result))
+                    cost += result.cost_usd or 0.0
+                    return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
+                self.priced_not_billed += 1
             try:
-                if ep.kind == "openai_chat" and result.generation_id:
-                    if ep.reconcile_cost:
-                        result.billed_cost_usd = await self.lookup_cost(result.generation_id)
-                        self.unreconciled += result.billed_cost_usd is None
-                    elif result.cost_priced and ep.settle_pending:
-                        result.billed_cost_usd = await self._record_cost(result.generation_id)
-                        self.priced_not_billed += result.billed_cost_usd is None
+                if ep.reconcile_cost and ep.kind == "openai_chat" and gid:
+                    result.billed_cost_usd = await self.lookup_cost(gid)
                     if result.billed_cost_usd is not None:
                         paid = result.billed_cost_usd
+                    else:
+                        self.unreconciled += 1
             finally:  # a cancelled lookup still leaves the answer recorded, at its reported cost
                 budget.settle(reserve, worst if paid is None else paid)
-                self._ended(uid, "pending" if paid is None else "answered", paid, result.generation_id, None, worst)
+                self._ended(uid, "pending" if paid is None else "answered", paid, gid, None, worst)
             self._learn_prices(reserve, paid, result)
             cost += result.cost_usd or 0.0  # the row's reported cost; billed_cost_usd beside it shows any drift
             return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
 
+    async def _bill_from_record(
+        self, uid: str, generation_id: str, worst: float, estimate: float, result: GenerationResult
+    ) -> None:
+        """Settles an answer that carried no usage.cost from its generation record, after the answer was handed
+        back (and journaled: looked up first, a `kill -9` during the seconds a record takes lost the paid answer).
+        Priced from the config's table instead, a provider billing twice those prices was recorded at half its
+        bill and crossed the cap by 1.6x. An endpoint without records: the configured prices' figure. A record not
+        in yet: pending, for the settlement passes."""
+        try:
+            cost = await self._record_cost(generation_id)
+        finally:
+            self._bills.pop(uid, None)
+        src: SettledBy = "generation"
+        if cost is None:
+            if self._records != "no":
+                self.budget.saw_prices()  # no bill to learn from: a capped run's window opens as for any answer
+                return
+            cost, src = estimate, "configured_prices"
+            self.priced_not_billed += 1
+        result.billed_cost_usd = cost if src == "generation" else None
+        if self.ledger is not None:
+            self.ledger.settled(uid, cost, src)
+        self.pending_usd -= worst
+        self.pending_attempts -= 1
+        self.billed_usd += cost
+        self.budget.rebill(worst, cost)
+        self._learn_prices(worst, cost if src == "generation" else None, result)
+
+    @property
+    def billing_uids(self) -> set[str]:
+        """Attempts whose bill `_bill_from_record` is looking up: the settlement passes leave them to it."""
+        return set(self._bills)
+
+    async def drain_bills(self) -> None:
+        """Waits for every `_bill_from_record` still looking its record up (before the end-of-run settlement)."""
+        while self._bills:
+            await asyncio.gather(*self._bills.values(), return_exceptions=True)
+
     async def _record_cost(self, generation_id: str) -> float | None:
-        """The billed cost of an answer that carried no usage.cost, from its generation record, where the endpoint
-        keeps them: priced from the config's table, a provider billing twice those prices was recorded at half its
-        bill and crossed the cap by 1.6x. Whether it keeps records is learned from the first such answer (one
-        lookup, up to ~15 s of 404s; the others wait for it): an OpenAI-compatible server without them (a vendor
-        billing per token, a local server) costs one lookup per run, not one per answer."""
+        """The billed cost in a generation record, where the endpoint keeps them. Whether it does is learned from
+        the first answer without usage.cost (one lookup, up to ~15 s of 404s; the others wait for it): an
+        OpenAI-compatible server without them (a vendor billing per token, a local server) costs one lookup per
+        run, not one per answer."""
         while self._records == "unknown":
             if self._records_probe is not None:
                 await asyncio.shield(self._records_probe)
@@ -796,6 +849,7 @@ class EndpointClient:
         generation_id: str | None,
         reason: str | None,
         worst_usd: float,
+        estimate_usd: float | None = None,
     ) -> None:
         if outcome == "pending":
             self.pending_usd += worst_usd
@@ -805,7 +859,7 @@ class EndpointClient:
         else:
             self.billed_usd += cost or 0.0
         if self.ledger is not None and uid is not None:
-            self.ledger.ended(uid, outcome, cost, generation_id, reason)
+            self.ledger.ended(uid, outcome, cost, generation_id, reason, estimate_usd)
 
     def _outage_event(self, kind: OutageEvent, message: str) -> None:
         emit_event(RunEvent(kind, message, time.monotonic() - self.started))

@@ -43,7 +43,9 @@ LEDGER_DIR = "spend"
 
 AttemptState = Literal["unsent", "answered", "pending", "settled"]
 Outcome = Literal["answered", "unsent", "pending"]
-SettledBy = Literal["generation", "account"]
+SettledBy = Literal["generation", "account", "configured_prices"]
+NO_USAGE_COST = "no_usage_cost"
+"""The pending reason of an answer that carried no usage.cost, until its generation record settles it."""
 
 
 def ledger_dir(run_dir: Path) -> Path:
@@ -62,6 +64,9 @@ class Attempt:
     generation_id: str | None = None
     reason: str | None = None
     settled_by: SettledBy | None = None
+    estimate_usd: float | None = None
+    """An answer that carried no usage.cost, pending its generation record: its configured prices' figure, what it
+    is settled at when the endpoint turns out to keep no records."""
 
     @property
     def state(self) -> AttemptState:
@@ -192,6 +197,7 @@ class SpendLedger:
             attempt.cost_usd = None if outcome == "pending" else (cost or 0.0)
             attempt.generation_id = rec.get("g") or attempt.generation_id
             attempt.reason = rec.get("r")
+            attempt.estimate_usd = rec.get("e")
         elif kind == "r" and attempt.settled_by is None:
             attempt.settled_by = rec.get("src", "generation")
             attempt.cost_usd = rec["c"]
@@ -257,12 +263,21 @@ class LedgerWriter:
         self.log.submit({"k": "g", "a": uid, "g": generation_id})
 
     def ended(
-        self, uid: str, outcome: Outcome, cost_usd: float | None, generation_id: str | None, reason: str | None
+        self,
+        uid: str,
+        outcome: Outcome,
+        cost_usd: float | None,
+        generation_id: str | None,
+        reason: str | None,
+        estimate_usd: float | None = None,
     ) -> None:
         """The attempt's outcome: `answered` with its cost (0.0 for an error nobody bills), `unsent` ($0), or
-        `pending` (cost null: counted at its worst case until settled)."""
+        `pending` (cost null: counted at its worst case until settled; `estimate_usd` its priced figure)."""
         cost = None if outcome == "pending" else (0.0 if outcome == "unsent" else cost_usd)
-        self.log.submit({"k": "b", "a": uid, "o": outcome, "c": cost, "g": generation_id, "r": reason})
+        rec = {"k": "b", "a": uid, "o": outcome, "c": cost, "g": generation_id, "r": reason}
+        if estimate_usd is not None:
+            rec["e"] = estimate_usd
+        self.log.submit(rec)
 
     def settled(self, uid: str, cost_usd: float, src: SettledBy) -> dict[str, Any]:
         rec = {"k": "r", "a": uid, "c": cost_usd, "src": src}

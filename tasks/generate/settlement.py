@@ -29,7 +29,7 @@ import aiohttp
 
 from tasks.common.config import PipelineConfig
 from tasks.generate.health import UPSTREAM_TIMEOUT_STATUS
-from tasks.generate.ledger import Attempt, LedgerWriter, SpendLedger
+from tasks.generate.ledger import NO_USAGE_COST, Attempt, LedgerWriter, SettledBy, SpendLedger
 from tasks.generate.progress import RunEvent, RunEventKind, emit_event, format_usd
 
 if TYPE_CHECKING:
@@ -186,6 +186,7 @@ class Settler:
         """Once nothing is in flight: this run's pending attempts (read back from its flushed segment). With
         nothing pending there is nothing to settle, and the closing account reading (a wait of
         `account_settle_stable_s` at least) is skipped: the next run's opening reading covers this run's answers."""
+        await self.client.drain_bills()
         self.writer.flush()
         self.ledger = SpendLedger.load(run_dir)
         await self._settle_by_generation(LOOKUP_AFTER_RUN_S)
@@ -196,14 +197,15 @@ class Settler:
     async def mid_run(self) -> None:
         """Before the budget stops a run (`Budget.reclaim`), nothing in flight: this run's pending attempts so far,
         read back from its flushed segment, settled from their generation records."""
+        await self.client.drain_bills()
         self.writer.flush()
         self.ledger = SpendLedger.load(self.cfg.run_dir)
         await self._settle_by_generation(LOOKUP_AFTER_RUN_S, remember_misses=False)
 
-    def _record(self, uid: str, cost: float, src: str) -> None:
+    def _record(self, uid: str, cost: float, src: SettledBy) -> None:
         attempt = self.ledger.attempts[uid]
         worst = attempt.worst_usd
-        self.ledger.apply(self.writer.settled(uid, cost, "account" if src == "account" else "generation"))
+        self.ledger.apply(self.writer.settled(uid, cost, src))
         self.report.add(src, worst, cost)
         self.settled_worst_usd += worst
         self.settled_cost_usd += cost
@@ -223,19 +225,21 @@ class Settler:
         gate = asyncio.Semaphore(LOOKUP_CONCURRENCY)
         now = time.time()
 
-        async def one(uid: str, generation_id: str) -> float | None:
+        async def one(uid: str, generation_id: str) -> tuple[float | None, SettledBy]:
             attempt = self.ledger.attempts[uid]
+            priced = priced_unless_recorded(attempt, now)
             async with gate:
-                absent = 0.0 if unbilled_unless_recorded(attempt, now) else None
-                return await self.client.lookup_cost(generation_id, delays_s, absent, ended_long_ago(attempt, now))
+                absent = priced if priced is not None else (0.0 if unbilled_unless_recorded(attempt, now) else None)
+                cost = await self.client.lookup_cost(generation_id, delays_s, absent, ended_long_ago(attempt, now))
+            return cost, ("configured_prices" if priced is not None and cost is priced else "generation")
 
-        costs = await asyncio.gather(*(one(uid, gid) for uid, gid, _ in pending))
-        settled = [(uid, cost) for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is not None]
+        found = await asyncio.gather(*(one(uid, gid) for uid, gid, _ in pending))
+        settled = [(uid, c, src) for (uid, _, _), (c, src) in zip(pending, found, strict=True) if c is not None]
         if remember_misses:
-            self._not_found.update(uid for (uid, _, _), cost in zip(pending, costs, strict=True) if cost is None)
-        worst = sum(self.ledger.attempts[uid].worst_usd for uid, _ in settled)
-        for uid, cost in settled:
-            self._record(uid, cost, "generation")
+            self._not_found.update(uid for (uid, _, _), (c, _) in zip(pending, found, strict=True) if c is None)
+        worst = sum(self.ledger.attempts[uid].worst_usd for uid, _, _ in settled)
+        for uid, cost, src in settled:
+            self._record(uid, cost, src)
         missing = len(pending) - len(settled)
         if missing and remember_misses:
             self.report.problems.append(
@@ -244,7 +248,7 @@ class Settler:
         if settled:
             self._event(
                 f"settled {len(settled)} pending attempts from the provider's generation records: "
-                f"{format_usd(worst)} at worst case -> {format_usd(sum(c for _, c in settled))} billed"
+                f"{format_usd(worst)} at worst case -> {format_usd(sum(c for _, c, _ in settled))} billed"
             )
 
     async def _settle_by_account(self) -> None:
@@ -343,6 +347,14 @@ def ended_long_ago(attempt: Attempt, now: float) -> bool:
         code.isdigit() and int(code) not in UPSTREAM_TIMEOUT_STATUS
     )
     return errored and attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
+
+
+def priced_unless_recorded(attempt: Attempt, now: float) -> float | None:
+    """An answer without usage.cost whose record was still being looked up when its run was killed: at least
+    `ABSENT_RECORD_GRACE_S` old and the provider has no record of it, its configured prices' figure is the best
+    there is (an endpoint that keeps no records), not its worst case for good."""
+    old_enough = attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
+    return attempt.estimate_usd if attempt.reason == NO_USAGE_COST and old_enough else None
 
 
 def unbilled_unless_recorded(attempt: Attempt, now: float) -> bool:
