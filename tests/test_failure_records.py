@@ -107,3 +107,12 @@ def test_a_dataset_whose_failures_a_later_run_retried_gets_an_empty_table(tmp_pa
     latest = Artifact.get("failed-samples-p20-stale")
     assert latest is not None and latest.id != first.id and json.loads(str(latest.data)) == []
     assert (latest.description or "").startswith("No failed samples or quarantined rows in dataset P20 now")
+
+
+def test_the_rerun_outlook_names_the_run_form_override_as_well_as_the_cli_flag() -> None:
+    """A UI user reads the rerun column, the failure-summary and the state message and triggers runs from the
+    run form, where `--retry-failed all` means nothing (a UI probe): both ways of asking are named."""
+    for reason in ("length", "http_400", "content_filter"):
+        outlook = rerun_action("responses", "deterministic", reason)
+        assert '{"endpoint.retry_failed": "all"}' in outlook, outlook
+        assert "--retry-failed all" in outlook, outlook

@@ -61,6 +61,15 @@ the Prefect failed-samples table artifact. `class` is a `FailureClass`, or "vali
 LAST_ERROR_CHARS = 300
 
 
+RETRY_ALL_HINT = (
+    'or with endpoint.retry_failed set to all (Prefect run form: overrides {"endpoint.retry_failed": "all"}; '
+    "CLI: --retry-failed all)"
+)
+"""How to ask for deterministic failures to be sent again, on every surface that says so: the Prefect UI's
+failure-summary, run-status and failed-samples artifacts and the run's state message (whose readers trigger runs
+from the run form, where a CLI flag means nothing) as well as the CLI's own output."""
+
+
 def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "transient") -> str:
     """What the next run does about one failed sample, in words a user acts on: the one answer to "will a rerun
     fix this?", shared by the failure record, the gate messages and the failure summary."""
@@ -75,13 +84,12 @@ def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "trans
     if reason == "length":
         return (
             "only after sampling.max_tokens is raised (a cut final answer is also kept by "
-            "endpoint.keep_length_truncated; a cut earlier turn never is), or with --retry-failed all"
+            f"endpoint.keep_length_truncated; a cut earlier turn never is), {RETRY_ALL_HINT}"
         )
     if reason == "context_length":
         return "never as sent: the prompt exceeds the context; only after the model or the prompt changes"
     return (
-        "never with the same settings: only after the model, routing, sampling or template changes, "
-        "or with --retry-failed all"
+        f"never with the same settings: only after the model, routing, sampling or template changes, {RETRY_ALL_HINT}"
     )
 
 
