@@ -118,3 +118,38 @@ def test_reference_and_verdict_rate_gates(
     assert [c.split(":")[1].split()[0] for c in crossed] == ["bpe_artifact_rate", "fail_rate"]
     with pytest.raises(ValidationGateError, match=r"bpe_artifact_rate 0\.5000 \(1/2 referenced samples\)"):
         check_gates([summary], ValidationConfig(max_bpe_artifact_rate=0.2))
+
+
+def test_a_gate_errors_first_line_is_a_whole_short_summary_with_the_numbers(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The Prefect UI shows a failed run's state message by its first line, cut short: it was "validation gates
+    crossed:" with ~900 characters on the lines after it (a UI probe). Now the first line names every gate it can
+    with its value and limit, within HEADLINE_CHARS; the full sentences follow."""
+    from tasks.validate.checks import HEADLINE_CHARS, gate_headline
+
+    completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
+    at = completion.index(encode(tokenizer, " NOR")[0])
+    split = [*completion[:at], *encode(tokenizer, " "), *encode(tokenizer, "NOR"), *completion[at + 1 :]]
+    cfg = make_cfg(tmp_path, tokenizer_dir)
+    run_part(cfg, 0, [{"output_ids": completion}, {"output_ids": split}, {"content": "Sure.</think>Actually."}])
+    (summary,) = summarize_validation(cfg)
+    vcfg = ValidationConfig(max_bpe_artifact_rate=0.2, max_fail_verdict_rate=0.1)
+    with pytest.raises(ValidationGateError) as raised:
+        check_gates([summary], vcfg)
+    first, *details = str(raised.value).splitlines()
+    name = summary["dataset"]
+    assert first == (
+        f"validation gates crossed (2): '{name}' bpe_artifact_rate 0.5000 > max_bpe_artifact_rate 0.2; "
+        f"'{name}' fail_rate 0.3333 > max_fail_verdict_rate 0.1 (details below)"
+    )
+    assert [d.strip() for d in details] == gate_violations([summary], vcfg)
+
+    many = [
+        f"dataset 'B{i}': failed_rate 0.{i}000 ({i}/10 responses: {'x' * 300}) > max_failed_rate 0.05; later"
+        for i in range(9)
+    ]
+    headline = gate_headline(many)
+    assert len(headline) <= HEADLINE_CHARS and "xxx" not in headline and "later" not in headline
+    assert headline.startswith("validation gates crossed (9): 'B0' failed_rate 0.0000 > max_failed_rate 0.05; 'B1'")
+    assert headline.endswith(" more (details below)")

@@ -824,8 +824,44 @@ def gate_violations(
     return crossed
 
 
+HEADLINE_CHARS = 240
+"""The most a gate error's first line holds: the Prefect UI shows a state message's first line in the run's
+sidebar and run list (and cuts even that), so it must be whole and short; the full sentences follow it."""
+
+_GATE_NUMBERS = re.compile(r"^dataset (?P<dataset>'.*?'): (?P<measure>.*?) \(.*?\) > (?P<limit>max_\w+ [^;\s]+)")
+"""A `gate_violations` sentence's dataset, measured value and limit, without the counts, examples and outlook
+between and after them."""
+
+
+def gate_brief(sentence: str) -> str:
+    """One crossed gate in a few words (`'B3' real_difference_rate 0.5000 > max_real_difference_rate 0.01`): the
+    gate and its numbers, for the error's first line; a sentence of another shape is cut at its first `;`."""
+    found = _GATE_NUMBERS.match(sentence)
+    if found is not None:
+        return f"{found['dataset']} {found['measure']} > {found['limit']}"
+    short = sentence.removeprefix("dataset ").split(";", 1)[0]
+    return short if len(short) <= 80 else short[:77] + "..."
+
+
+def gate_headline(crossed: Sequence[str], limit: int = HEADLINE_CHARS) -> str:
+    """The first line of a gate error: how many gates, which, with their numbers; those that do not fit within
+    `limit` characters are counted ("+2 more"), never cut mid-gate (the first is always shown)."""
+    head = f"validation gates crossed ({len(crossed)}): " if len(crossed) > 1 else "validation gate crossed: "
+    briefs = [gate_brief(c) for c in crossed]
+
+    def line(shown: int) -> str:
+        more = f"; +{len(briefs) - shown} more" if shown < len(briefs) else ""
+        return f"{head}{'; '.join(briefs[:shown])}{more} (details below)"
+
+    shown = 1
+    while shown < len(briefs) and len(line(shown + 1)) <= limit:
+        shown += 1
+    return line(shown)
+
+
 def check_gates(summary: list[dict[str, Any]], vcfg: ValidationConfig, retry_failed: str = "transient") -> None:
-    """Raise ValidationGateError naming every dataset and gate crossed."""
+    """Raise ValidationGateError naming every dataset and gate crossed: a one-line headline (`gate_headline`),
+    then one line per gate with its counts, examples and what the next run does about it."""
     crossed = gate_violations(summary, vcfg, retry_failed)
     if crossed:
-        raise ValidationGateError("validation gates crossed:\n  " + "\n  ".join(crossed))
+        raise ValidationGateError(gate_headline(crossed) + "\n  " + "\n  ".join(crossed))
