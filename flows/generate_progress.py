@@ -40,6 +40,7 @@ from tasks.generate.progress import (
     format_counts,
     format_duration,
     format_usd,
+    heading,
     status_fields,
 )
 
@@ -54,8 +55,7 @@ T = TypeVar("T")
 
 
 def status_markdown(snapshot: ProgressSnapshot) -> str:
-    heading = "final" if snapshot.final else "in progress"
-    lines = [f"**generate: {heading}**", "", "| | |", "|---|---|"]
+    lines = [f"**generate: {heading(snapshot)}**", "", "| | |", "|---|---|"]
     lines += [f"| {label} | {value.replace('|', '/')} |" for label, value in status_fields(snapshot, top_reasons=10)]
     if snapshot.retries_by_reason:
         lines.append(f"| retries by reason | {format_counts(snapshot.retries_by_reason, 10)} |")
@@ -78,6 +78,8 @@ def log_line(s: ProgressSnapshot) -> str:
         parts.append(f"endpoint down for {format_duration(s.elapsed_s - s.endpoint_down_since_s)}")
     if s.outages:
         parts.append(f"outages {s.outages}")
+    if s.final and s.stopped is not None:
+        parts.append(heading(s))
     return ", ".join(parts)
 
 

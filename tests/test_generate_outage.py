@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,17 @@ from endpoint_sim.server import SimConfig, SimulatorServer
 from tasks.common.errors import EndpointUnavailableError
 from tasks.common.shards import PartRef
 from tasks.generate.chunks import chunk_paths
-from tests.test_generate_failures import committed_chunks, make_cfg, question, responses, run, write_prompts
+from tasks.generate.engine import generate_parts
+from tasks.generate.progress import ProgressSnapshot, heading, status_fields, status_line
+from tests.test_generate_failures import (
+    MARKERS,
+    committed_chunks,
+    make_cfg,
+    question,
+    responses,
+    run,
+    write_prompts,
+)
 
 SAMPLES = 6
 
@@ -347,3 +360,69 @@ def test_cli_against_a_port_where_nothing_ever_listens_exits_non_zero_without_fa
     assert done.returncode != 0, done.stdout + done.stderr
     assert "outage_abort_s" in done.stderr and "Traceback" not in done.stdout + done.stderr
     assert not list((tmp_path / "run" / "responses").rglob("*.parquet")), "a sample got a row"
+
+
+def _final(snapshots: list[ProgressSnapshot]) -> ProgressSnapshot:
+    finals = [s for s in snapshots if s.final]
+    assert len(finals) == 1, finals
+    return finals[0]
+
+
+def test_a_run_cancelled_mid_way_ends_with_a_snapshot_saying_so_not_finished(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Cancelling a flow run (the UI's Cancel: state CANCELLING, then the worker's SIGTERM, which Prefect's engine
+    turns into a TerminationSignal) left the card "generate: final ... ETA finished in 17s" at 16% (a UI probe).
+    The same signal here, mid-run: the final snapshot says where it stopped and why."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows.generate_progress import log_line, status_markdown
+
+    def terminate(signum: int, frame: object) -> None:
+        raise TerminationSignal(signal=signum)
+
+    write_prompts(tmp_path, [question("cancel", i) for i in range(40)])
+    snapshots: list[ProgressSnapshot] = []
+    with SimulatorServer(tokenizer_dir, SimConfig(latency_s=0.3)) as sim:
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "chat", max_in_flight=2)
+        previous = signal.signal(signal.SIGTERM, terminate)
+        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+        try:
+            timer.start()
+            with pytest.raises(TerminationSignal):
+                generate_parts(cfg, [PartRef(tmp_path, "prompts", 0)], MARKERS, listeners=[snapshots.append])
+        finally:
+            timer.cancel()
+            signal.signal(signal.SIGTERM, previous)
+    final = _final(snapshots)
+    assert final.stopped == "cancelled" and 0 < final.finished < final.total == 40
+    where = f"{final.finished}/40"
+    assert heading(final) == f"stopped at {where}: cancelled"
+    assert status_markdown(final).startswith(f"**generate: stopped at {where}: cancelled**")
+    eta = dict(status_fields(final))["ETA"]
+    assert eta.startswith("none: stopped after") and eta.endswith("(cancelled)") and "finished" not in eta
+    assert "finished" not in status_line(final) and log_line(final).endswith(f"stopped at {where}: cancelled")
+
+
+def test_an_outage_abort_ends_with_a_snapshot_saying_it_aborted(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    write_prompts(tmp_path, [question("down", i) for i in range(SAMPLES)])
+    cfg = make_cfg(
+        tmp_path, f"http://127.0.0.1:{free_port()}", tokenizer_dir, "chat", outage_grace_s=0.0, outage_abort_s=1.0
+    )
+    snapshots: list[ProgressSnapshot] = []
+    with pytest.raises(EndpointUnavailableError):
+        generate_parts(cfg, [PartRef(tmp_path, "prompts", 0)], MARKERS, listeners=[snapshots.append])
+    final = _final(snapshots)
+    assert final.stopped is not None and final.stopped.startswith("aborted: the endpoint did not answer")
+    assert heading(final).startswith(f"stopped at 0/{SAMPLES}: aborted") and "finished" not in status_line(final)
+
+
+def test_a_run_that_ends_at_the_budget_cap_with_samples_left_is_not_called_final() -> None:
+    from tests.test_progress import RUNNING
+
+    capped = replace(RUNNING, budget_stopped=True, final=True)
+    assert heading(capped) == "stopped at 200/1,000: the budget cap"
+    assert heading(replace(RUNNING, done=990, failed=10, final=True)) == "final"
+    assert heading(RUNNING) == "in progress"

@@ -34,7 +34,7 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig
-from tasks.common.errors import FatalEndpointError
+from tasks.common.errors import EndpointUnavailableError, FatalEndpointError
 from tasks.common.failures import failure_class
 from tasks.common.messages import prompt_messages
 from tasks.common.schemas import RESPONSES
@@ -495,7 +495,7 @@ class _Run:
         if result is not None:
             self.unexpected_reasoning.see(result.reasoning)  # raises once the row above is recorded
 
-    def snapshot(self, final: bool = False) -> ProgressSnapshot:
+    def snapshot(self, final: bool = False, stopped: str | None = None) -> ProgressSnapshot:
         reasons: Counter[str] = Counter()
         for st in self.states:
             reasons.update(st.summary.failures_by_reason)
@@ -524,6 +524,7 @@ class _Run:
             max_cost_usd=budget.cap_usd,
             budget_stopped=budget.stopped,
             final=final,
+            stopped=stopped,
             failures_by_reason=dict(reasons),
             retries_by_reason=dict(client.retries_by_reason),
             pending_usd=max(0.0, self.prior.pending_usd + client.pending_usd - settled_worst),
@@ -615,6 +616,20 @@ def _length_error(result: GenerationResult, max_tokens: int, hint: str = FINAL_A
     )
 
 
+def stop_reason(failure: BaseException) -> str:
+    """Why a generate run ended before its samples did, as its final progress snapshot says it. Anything not an
+    `Exception` is the run being stopped from outside: the CancelledError `asyncio.run` hands the coroutine when
+    a Prefect cancellation's SIGTERM (Prefect's TerminationSignal) or a Ctrl-C unwinds its loop, or that signal
+    itself when it lands inside the coroutine."""
+    if not isinstance(failure, Exception):
+        return "cancelled"
+    if isinstance(failure, EndpointUnavailableError):
+        return "aborted: the endpoint did not answer for endpoint.outage_abort_s (a rerun resumes)"
+    if isinstance(failure, FatalEndpointError):
+        return "the endpoint refused the run"
+    return f"failed ({type(failure).__name__})"
+
+
 async def _report_progress(run: _Run, listeners: list[Listener] | None, every_s: float) -> None:
     """Snapshots on a worker thread: a slow listener (an artifact upload) must never stall the window."""
     while True:
@@ -657,6 +672,7 @@ async def _generate_async(
         # re-register thousands of callbacks on every wake-up (measured: 750 per request at 2,000 in flight).
         finished: asyncio.Queue[asyncio.Task[tuple[_PartState, _WorkItem, _Answer]]] = asyncio.Queue()
         exhausted = False
+        stopped: str | None = None
         try:
             while True:
                 while not exhausted and len(running) < window:
@@ -705,6 +721,7 @@ async def _generate_async(
                     )
                 )
         except BaseException as failure:
+            stopped = stop_reason(failure)
             if isinstance(failure, FatalEndpointError) and running:
                 # The requests in flight were sent with the same key to the same endpoint: most get the same
                 # refusal within a moment, which proves them unbilled ($0), or finish (kept). Cancelled at
@@ -725,7 +742,7 @@ async def _generate_async(
         finally:
             reporter.cancel()
             await asyncio.gather(reporter, return_exceptions=True)
-            emit(run.snapshot(final=True), listeners)
+            emit(run.snapshot(final=True, stopped=stopped), listeners)
         return run
 
 

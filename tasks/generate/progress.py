@@ -45,6 +45,11 @@ class ProgressSnapshot:
     endpoint_down_since_s: float | None = None
     """`elapsed_s` at which the current outage began (the circuit breaker is open); None while it answers."""
     outages: int = 0
+    stopped: str | None = None
+    """On a final snapshot of a run that ended before its samples did: why, in a few words ("cancelled", an
+    outage outlasting `endpoint.outage_abort_s`, the error that ended it); None for one that ran to its end or
+    stopped at the budget cap (`budget_stopped`). A cancelled run's card said "final ... ETA finished in 17s" at
+    16%."""
 
     @property
     def finished(self) -> int:
@@ -205,7 +210,22 @@ def format_counts(counts: Mapping[str, int], top: int | None = None) -> str:
     return text or "-"
 
 
+def heading(s: ProgressSnapshot) -> str:
+    """What a snapshot is, as the progress card's heading: "in progress", "final" for a run that ran to its end, or
+    "stopped at 32/200: cancelled" for one that ended first (cancelled, aborted, failed, or at the budget cap
+    with samples left), so no card calls a cut-short run final."""
+    if not s.final:
+        return "in progress"
+    if s.stopped is not None:
+        return f"stopped at {s.finished:,}/{s.total:,}: {s.stopped}"
+    if s.budget_stopped and s.finished < s.total:
+        return f"stopped at {s.finished:,}/{s.total:,}: the budget cap"
+    return "final"
+
+
 def _eta(s: ProgressSnapshot) -> str:
+    if s.final and s.stopped is not None:
+        return f"none: stopped after {format_duration(s.elapsed_s)} ({s.stopped})"
     if s.budget_stopped:
         return "stopped at the budget cap"
     if s.final:
