@@ -21,6 +21,7 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelled
 
 from flows.params import RunParameters
+from flows.run_names import handoff_name
 from tasks.common.errors import ExtractDeploymentError
 
 EXTRACT_POLL_S = 1.0
@@ -34,11 +35,18 @@ def live_workers(client: SyncPrefectClient, pool: str) -> int:
     return len(client.read_workers_for_work_pool(pool, worker_filter=online))
 
 
-def extract_on_deployment(run: RunParameters) -> list[dict[str, Any]]:
-    """Start the extraction deployment as a subflow run and wait for it (see the module docstring)."""
+def extract_on_deployment(run: RunParameters, run_dir_name: str) -> list[dict[str, Any]]:
+    """Start the extraction deployment as a subflow run and wait for it (see the module docstring). The run is
+    named `extract-<run dir>-for-<this run's name>` (`handoff_name`): the GPU pool's runs list named it at random."""
+    from prefect.runtime import flow_run as this_run
+
     name = run.extract_deployment or ""
     params = run.model_copy(update={"extract_deployment": None}).model_dump(mode="json")
-    flow_run = cast(FlowRun, run_deployment(name, parameters={"run": params}, as_subflow=True, timeout=0))
+    run_name = handoff_name(run_dir_name, this_run.name)
+    flow_run = cast(
+        FlowRun,
+        run_deployment(name, parameters={"run": params}, as_subflow=True, timeout=0, flow_run_name=run_name),
+    )
     logger = get_run_logger()
     with get_client(sync_client=True) as client:
         final = await_extract_run(client, flow_run, name, run.extract_worker_wait_s, logger.warning)

@@ -34,6 +34,7 @@ from flows.generate_progress import (
 )
 from flows.params import RunParameters, in_slice, resolve_run
 from flows.retry_policy import retry_transient
+from flows.run_names import flow_run_name
 from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig
 from tasks.common.run_summary import run_summary_markdown
@@ -356,7 +357,7 @@ def _reused(cfg: PipelineConfig, stage: str, parts: list[int]) -> list[dict[str,
     return [{**read_marker(PartRef(cfg.run_dir, stage, p))["stats"], "reused": True} for p in parts]
 
 
-@flow(name="eagle3-cpu-stages", log_prints=True)
+@flow(name="eagle3-cpu-stages", log_prints=True, flow_run_name=flow_run_name)
 def cpu_stages_flow(cfg: PipelineConfig, parts: list[int]) -> dict[str, Any]:
     fmt = _format(cfg)
     ready = _done(cfg, "responses", parts)
@@ -394,7 +395,7 @@ def extract_elsewhere(cfg: PipelineConfig, parts: list[int], run: RunParameters)
     if all(current_for_another_host(cfg, p) for p in ready):
         get_run_logger().info("every hidden-states part is current: no extraction run on %s", run.extract_deployment)
         return _reused(cfg, "hidden_states", ready)
-    return extract_on_deployment(run)
+    return extract_on_deployment(run, cfg.run_dir.name)
 
 
 def publish_scores(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]:
@@ -550,6 +551,7 @@ def rerun_outlook(status: RunStatus) -> list[str]:
 
 FLOW_OPTIONS: dict[str, Any] = {
     "log_prints": True,
+    "flow_run_name": flow_run_name,  # `pipeline-<run dir>-<6 hex>`, not Prefect's random "myrtle-squid"
     "on_failure": [failure_summary_hook],
     "on_running": [close_crashed_leftovers],
 }
