@@ -164,6 +164,10 @@ def test_crossed_gate_fails_the_run_after_writing_the_report_and_a_failure_summa
         state = pipeline(run, return_state=True)
     assert state.is_failed()
     assert "real_difference" in (state.message or "") or "gate" in (state.message or "").lower()
+    # The UI's sidebar shows the message's first line, cut: it is a whole summary with the numbers (a UI probe)
+    first = (state.message or "").splitlines()[0]
+    assert "ValidationGateError: validation gates crossed (" in first and first.endswith("(details below)"), first
+    assert "real_difference_rate" in first and "> max_real_difference_rate 0.01" in first and len(first) < 320
     assert (run_dir / "reports" / "report.md").exists()
     assert not done_parts(run_dir, "hidden_states"), "extraction must not run past a crossed gate"
     summary = Artifact.get("failure-summary-gated")

@@ -846,7 +846,7 @@ def gate_brief(sentence: str) -> str:
 def gate_headline(crossed: Sequence[str], limit: int = HEADLINE_CHARS) -> str:
     """The first line of a gate error: how many gates, which, with their numbers; those that do not fit within
     `limit` characters are counted ("+2 more"), never cut mid-gate (the first is always shown)."""
-    head = f"validation gates crossed ({len(crossed)}): " if len(crossed) > 1 else "validation gate crossed: "
+    head = f"validation gates crossed ({len(crossed)}): "  # the CLI's "error: validation gates crossed" too
     briefs = [gate_brief(c) for c in crossed]
 
     def line(shown: int) -> str:
