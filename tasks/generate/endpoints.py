@@ -18,6 +18,7 @@ from tasks.common.errors import ConfigError, DatagenError
 from tasks.common.messages import Message
 from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids
 from tasks.reconstruct.completion_format import CompletionFormat
+from tasks.reconstruct.tokenizer_backend import backend_for
 from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 CHAT_PATH = "/chat/completions"
@@ -323,32 +324,78 @@ def _parse_chat(
     )
 
 
-def split_completion(text: str, markers: CompletionMarkers) -> tuple[str | None, str]:
+def split_completion(
+    text: str,
+    markers: CompletionMarkers,
+    output_ids: list[int] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> tuple[str | None, str]:
     """(reasoning, content) of a raw completion text.
 
     The generation prompt of a reasoning format opens the reasoning section, so text with no close marker is
-    reasoning that never finished (content ""), not content.
+    reasoning that never finished (content ""), not content. With the model's `output_ids`, the end of turn and
+    the close marker are where their control ids are: a model may write either as ordinary tokens (SmolLM2 asked
+    to copy `<|im_end|>`, a thinking model explaining what `</think>` does), which is text it wrote, not a marker.
     """
-    if markers.end_of_turn and text.endswith(markers.end_of_turn):
-        text = text[: -len(markers.end_of_turn)]
+    text = _without_end_of_turn(text, output_ids, markers, tokenizer)
     if not markers.reasoning_close:
         return None, text
-    reasoning, found, content = text.partition(markers.reasoning_close)
-    return (reasoning, content) if found else (text, "")
+    at = _close_at(text, output_ids, markers.reasoning_close, tokenizer)
+    if at is None:
+        at = text.find(markers.reasoning_close)
+    if at < 0:
+        return text, ""
+    return text[:at], text[at + len(markers.reasoning_close) :]
+
+
+def _without_end_of_turn(
+    text: str, output_ids: list[int] | None, markers: CompletionMarkers, tokenizer: PreTrainedTokenizerBase | None
+) -> str:
+    """The text without the end-of-turn string a server kept (special tokens are not skipped). With the model's
+    ids it is removed only when it is the end-of-turn id's text: the ids end with that id and the text is not
+    just the other ids' text (a server that trims the stop token leaves model-written `<|im_end|>` characters
+    last). Without ids the text cannot tell the two apart, and a trailing end-of-turn string is removed."""
+    eot_text = markers.end_of_turn
+    if not eot_text or not text.endswith(eot_text):
+        return text
+    eot = _control_id(tokenizer, eot_text)
+    if output_ids is None or eot is None or tokenizer is None:
+        return text[: -len(eot_text)]
+    if output_ids[-1:] != [eot] or text == backend_for(tokenizer).decode(output_ids[:-1]):
+        return text
+    return text[: -len(eot_text)]
+
+
+def _close_at(
+    text: str, output_ids: list[int] | None, close: str, tokenizer: PreTrainedTokenizerBase | None
+) -> int | None:
+    """Where in `text` the reasoning-close control id's text starts, found from the model's ids: the first
+    occurrence after as many as the model wrote as ordinary tokens before that id; -1 when the ids have no close
+    id (the reasoning never finished). None where the ids cannot say (none, no tokenizer, no such control id, or
+    a text that lacks that occurrence): the first occurrence in the text is taken then."""
+    close_id = _control_id(tokenizer, close)
+    if output_ids is None or close_id is None or tokenizer is None:
+        return None
+    if close_id not in output_ids:
+        return -1
+    written = backend_for(tokenizer).decode(output_ids[: output_ids.index(close_id)]).count(close)
+    at = -1
+    for _ in range(written + 1):
+        at = text.find(close, at + 1)
+        if at < 0:
+            return None
+    return at
 
 
 def _ended_turn(
-    text: str, output_ids: list[int] | None, markers: CompletionMarkers, tokenizer: PreTrainedTokenizerBase | None
+    output_ids: list[int] | None, markers: CompletionMarkers, tokenizer: PreTrainedTokenizerBase | None
 ) -> bool:
     """Whether a `/generate` answer reported as cut by length ended its turn: SGLang checks `max_new_tokens`
     before the stop token, so an answer whose last allowed token is the end of turn comes back as "length"
-    with that id last in `output_ids` (and its text last when special tokens are kept). It is a finished
-    answer; laid out as a truncated one, the model's ids would not spell it and the row would fail."""
-    if not markers.end_of_turn:
-        return False
-    if text.endswith(markers.end_of_turn):
-        return True
-    eot = _control_id(tokenizer, markers.end_of_turn)
+    with that id last in `output_ids`. It is a finished answer; laid out as a truncated one, the model's ids would
+    not spell it and the row would fail. Only that id says so: a text ending in the end-of-turn string may be
+    characters the model wrote, and without ids an end of turn would be invented."""
+    eot = _control_id(tokenizer, markers.end_of_turn) if markers.end_of_turn else None
     return eot is not None and output_ids is not None and output_ids[-1:] == [eot]
 
 
@@ -378,9 +425,9 @@ def _parse_generate(
         raise MalformedResponseError("/generate output_ids must be a list of integers")
     finish = meta.get("finish_reason")
     finish_reason = finish.get("type") if isinstance(finish, dict) else finish
-    if finish_reason == "length" and _ended_turn(text, output_ids, markers, tokenizer):
+    if finish_reason == "length" and _ended_turn(output_ids, markers, tokenizer):
         finish_reason = "stop"
-    reasoning, content = split_completion(text, markers)
+    reasoning, content = split_completion(text, markers, output_ids, tokenizer)
     prompt_tokens = _opt_int(meta.get("prompt_tokens"), "meta_info.prompt_tokens")
     completion_tokens = _opt_int(meta.get("completion_tokens"), "meta_info.completion_tokens")
     reasoning_tokens = _opt_int(meta.get("reasoning_tokens"), "meta_info.reasoning_tokens")
