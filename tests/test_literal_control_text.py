@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from transformers import PreTrainedTokenizerBase
 
@@ -20,11 +21,15 @@ from tasks.common.config import (
     PipelineConfig,
     ReconstructConfig,
     TokenizerConfig,
+    ValidationConfig,
 )
+from tasks.common.schemas import RESPONSES
 from tasks.generate import CompletionMarkers
 from tasks.generate.endpoints import GenerationResult, parse_response
-from tasks.reconstruct.completion_format import PRESETS, CompletionFormat
+from tasks.reconstruct.completion_format import PRESETS, CompletionFormat, resolve_format
 from tasks.reconstruct.stage import SampleText, build_tokens_table
+from tasks.reconstruct.tokenizer_backend import backend_for
+from tasks.validate.checks import exclusion_reasons, validate_tables, verdict
 
 EOS = "<｜end▁of▁sentence｜>"
 USER: Any = [{"role": "user", "content": "Copy this exactly: <｜end▁of▁sentence｜>"}]
@@ -85,6 +90,58 @@ def test_generate_keeps_end_of_turn_characters_the_model_wrote(
     assert (cut.finish_reason, cut.content) == ("length", text)
     assert generate(generate_cfg, tokenizer, markers, text, None, "length").finish_reason == "length"
     assert generate(generate_cfg, tokenizer, markers, "It is" + EOS, [*ids[:2], eos], "length").finish_reason == "stop"
+
+
+def test_a_row_ending_in_end_of_turn_characters_stores_the_models_ids_and_passes(
+    generate_cfg: PipelineConfig, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Finished (the real end-of-turn id after the text) and cut by `max_tokens` right after the text (ids rebuilt
+    from logprobs, the end-of-turn characters last): both rows are the model's ids and pass. The re-encoding of
+    the text gives the end-of-turn id for those characters: a cut answer's last id then is not one the layout
+    added, and dropping it for the comparison made the re-encoding a real difference and failed the row."""
+    fmt = resolve_format("auto", tokenizer, NO_THINKING)
+    assert not fmt.has_reasoning
+    text, ids = literal_answer(tokenizer)
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    finished = generate(generate_cfg, tokenizer, CompletionMarkers.of(fmt), text, [*ids, eos], "stop")
+    assert finished.content == text
+    samples = [
+        SampleText(
+            "done", "d", USER, None, finished.content, finished.finish_reason, None, output_ids=finished.output_ids
+        ),
+        SampleText("cut", "d", USER, None, text, "length", None, output_ids=ids),
+    ]
+    tokens, stats = build_tokens_table(tokenizer, fmt, samples, ReconstructConfig(), NO_THINKING)
+    rows = {r["sample_id"]: r for r in tokens.to_pylist()}
+    assert rows["done"]["input_ids"][rows["done"]["prompt_len"] :] == [*ids, eos]
+    assert rows["cut"]["input_ids"][rows["cut"]["prompt_len"] :] == ids
+    assert stats["model_rows"] == 2
+    responses = pa.Table.from_pylist(
+        [
+            {"sample_id": s.sample_id, "dataset": "d", "status": "done", "content": s.content}
+            | {"finish_reason": s.finish_reason, "attempts": 1, "output_ids": s.output_ids}
+            for s in samples
+        ],
+        schema=RESPONSES,
+    )
+    vcfg = ValidationConfig(allowed_finish_reasons=["stop", "length"])
+    table, _ = validate_tables(tokens, responses, fmt, backend_for(tokenizer), vcfg)
+    checks = {r["sample_id"]: r for r in table.to_pylist()}
+    for sid in ("done", "cut"):
+        assert checks[sid]["verdict"] == "pass", checks[sid]
+        assert checks[sid]["reference_match"] == "bpe_artifact", checks[sid]
+
+
+def test_a_reencoding_difference_does_not_fail_a_row_of_the_models_ids() -> None:
+    """Its ids equal the endpoint's (else `model_ids_mismatch` fails it) and decode to the answer's text; the
+    re-encoding's difference is what re-encoding alone would have stored, reported in `reference_match`. A row
+    that stores the re-encoding still fails on it."""
+    vcfg = ValidationConfig()
+    assert verdict("real_difference", [], False, vcfg, stored_exact=True) == "pass"
+    assert exclusion_reasons(["model_ids_mismatch"], "real_difference", vcfg, True) == ["model_ids_mismatch"]
+    assert verdict("real_difference", [], False, vcfg) == "fail"
+    assert exclusion_reasons([], "real_difference", vcfg) == ["real_difference"]
+    assert verdict("exact", ["model_ids_mismatch"], False, vcfg, stored_exact=True) == "fail"
 
 
 def thinking(tokenizer: PreTrainedTokenizerBase) -> CompletionFormat:

@@ -27,8 +27,10 @@ whitespace (per provider, against reference ids where there are some, it tells a
 
 Verdict policy (a "fail" or "drop" sample is excluded from extraction when `extract.skip_failed_validation`,
 the default; a "drop" is not counted as a failure):
-- fail: a real_difference, or an issue that corrupts the training sequence: the close/open tag or another
-  think marker inside reasoning or content (the split between them is wrong), a special-token id inside
+- fail: a real_difference of a row that stores the re-encoding (one that stores the model's ids is checked
+  against the endpoint's by `model_ids_mismatch`; its re-encoding's difference is reported, not failed), or an
+  issue that corrupts the training sequence: the close/open tag or another think marker inside reasoning or
+  content (the split between them is wrong), a special-token id inside
   the reasoning or content beyond the format's own (`<|im_end|>` in the content, a doubled `<think>` across
   the prompt boundary, ...), in the final answer or an earlier regenerated one (`history_*`), a finish_reason
   outside `validation.allowed_finish_reasons` (the sequence is not a complete turn), ids that do not decode
@@ -333,12 +335,17 @@ def _window(backend: TokenBackend, ids: Sequence[int], at: int) -> str:
 
 
 def compare_reference(
-    backend: TokenBackend, ours: list[int], reference: list[int] | None, end_of_turn_id: int
+    backend: TokenBackend, ours: list[int], reference: list[int] | None, end_of_turn_id: int, ends_turn: bool
 ) -> ReferenceMatch:
-    """exact / bpe_artifact / real_difference, with the first divergence and the tokens on each side of it."""
+    """exact / bpe_artifact / real_difference, with the first divergence and the tokens on each side of it.
+
+    `ends_turn`: the layout added the end-of-turn id, which a reference may lack; only then is our last id
+    dropped for the comparison. An answer cut by `max_tokens` has none, and an end-of-turn id last in its ids is
+    the re-encoding of characters the model wrote (`<|im_end|>` as ordinary tokens): dropping it made the
+    re-encoding miss that text and a model-exact row fail."""
     if reference is None:
         return ReferenceMatch("no_reference")
-    if ours and ours[-1] == end_of_turn_id and (not reference or reference[-1] != end_of_turn_id):
+    if ends_turn and ours and ours[-1] == end_of_turn_id and (not reference or reference[-1] != end_of_turn_id):
         ours = ours[:-1]
     if ours == reference:
         return ReferenceMatch("exact")
@@ -368,13 +375,15 @@ def verdict(
     vcfg: ValidationConfig | None = None,
     stored_exact: bool = False,
 ) -> str:
-    """`stored_exact`: the row stores the model's own ids, so a BPE artifact of the re-encoding (`match`) is only
-    what re-encoding would have got wrong, not a flaw of the row."""
+    """`stored_exact`: the row stores the model's own ids, so a difference of the re-encoding (`match`), BPE artifact
+    or real, is only what re-encoding would have got wrong, not a flaw of the row: those ids equal the endpoint's
+    (else `model_ids_mismatch` fails it) and decode to the answer's text."""
     vcfg = vcfg or ValidationConfig()
     codes = {issue_code(i) for i in issues}
     hidden = "empty_reasoning" in codes and vcfg.empty_reasoning == "fail"
     tools = "tool_call_markup" in codes
-    if match == "real_difference" or codes & FAIL_ISSUES or hidden or (tools and vcfg.tool_call_policy == "fail"):
+    real = match == "real_difference" and not stored_exact
+    if real or codes & FAIL_ISSUES or hidden or (tools and vcfg.tool_call_policy == "fail"):
         return "fail"
     if (tools and vcfg.tool_call_policy == "drop") or "nothing_kept_after_cut" in codes:
         return "drop"
@@ -384,10 +393,12 @@ def verdict(
     return "pass"
 
 
-def exclusion_reasons(issues: Sequence[str], match: str, vcfg: ValidationConfig) -> list[str]:
+def exclusion_reasons(
+    issues: Sequence[str], match: str, vcfg: ValidationConfig, stored_exact: bool = False
+) -> list[str]:
     """The codes that made a fail/drop verdict (what the report counts as why a sample was excluded)."""
     codes = dict.fromkeys(issue_code(i) for i in issues)
-    out = ["real_difference"] if match == "real_difference" else []
+    out = ["real_difference"] if match == "real_difference" and not stored_exact else []
     for code in codes:
         if (
             code in FAIL_ISSUES
@@ -479,9 +490,10 @@ def validate_tables(
                 issues.append("nothing_kept_after_cut")
         reference = output_ids[r].as_py() if has_output[r] else None
         stored = completions[i].tolist()
-        ref = compare_reference(backend, reencoded.get(i, stored), reference, control.end_of_turn_id)
+        eot_id, ends_turn = control.end_of_turn_id, layout.end_of_turn_start < len(layout.text)
+        ref = compare_reference(backend, reencoded.get(i, stored), reference, eot_id, ends_turn)
         stored_exact = sources[i] == "model"
-        if stored_exact and compare_reference(backend, stored, reference, control.end_of_turn_id).match != "exact":
+        if stored_exact and compare_reference(backend, stored, reference, eot_id, ends_turn).match != "exact":
             issues.append("model_ids_mismatch")
         if ref.match == "real_difference" and reference is not None:
             eot = fmt.end_of_turn
@@ -538,7 +550,7 @@ def validate_tables(
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
-VALIDATE_CODE_VERSION = 2
+VALIDATE_CODE_VERSION = 3
 """Bump when a code change alters the validation rows computed from the same inputs."""
 
 
@@ -622,7 +634,8 @@ class _Tally:
         self.prompt[row["prompt_match"] or "no_usage"] += 1
         self.prompt_delta += row["prompt_delta_tokens"] or 0
         if row["verdict"] in ("fail", "drop"):
-            self.excluded.update(exclusion_reasons(row["structural_issues"], row["reference_match"], vcfg))
+            model = row["token_source"] == "model"
+            self.excluded.update(exclusion_reasons(row["structural_issues"], row["reference_match"], vcfg, model))
         self.whitespace.add(row)
         assert self.sources is not None
         self.sources[row["token_source"]] += 1
