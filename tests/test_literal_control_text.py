@@ -178,3 +178,38 @@ def test_generate_splits_reasoning_at_the_close_id_not_at_close_characters(
     assert stats["model_rows"] == 1
     assert row["input_ids"][row["prompt_len"] :] == ids
     assert row["reasoning_len"] == len(reasoning_ids) + 1
+
+
+def test_close_characters_the_model_wrote_do_not_fail_a_row_of_its_ids(tokenizer: PreTrainedTokenizerBase) -> None:
+    """`</think>` written as ordinary tokens in the reasoning (or in the answer, after the close id) is the
+    model's text when its row is its own ids: the sections' ids hold no close id beyond the layout's, so the row
+    passes. The same text re-encoded gets the close id there, and still fails; so do the same ids split at the
+    written characters (a reasoning parser that split by text): the content's ids then hold the close id."""
+    fmt = thinking(tokenizer)
+    close = tokenizer.convert_tokens_to_ids(fmt.reasoning_close)
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    reasoning, content = "What the </think> tag does.", "It ends the reasoning, unlike a </think> in text."
+    ids = [*plain(tokenizer, "What the </", "think> tag does."), close]
+    ids += [*plain(tokenizer, "It ends the reasoning, unlike a </", "think> in text."), eos]
+    samples = [
+        SampleText("model", "d", USER, reasoning, content, "stop", None, output_ids=ids),
+        SampleText("reencoded", "d", USER, reasoning, content, "stop", None),
+        SampleText("split_early", "d", USER, "What the ", " tag does.</think>" + content, "stop", None, output_ids=ids),
+    ]
+    tokens, _ = build_tokens_table(tokenizer, fmt, samples, ReconstructConfig(), {"thinking": True})
+    assert [r["token_source"] for r in tokens.to_pylist()] == ["model", "reencoded", "model"]
+    responses = pa.Table.from_pylist(
+        [
+            {"sample_id": s.sample_id, "dataset": "d", "status": "done", "reasoning": s.reasoning}
+            | {"content": s.content, "finish_reason": "stop", "attempts": 1, "output_ids": s.output_ids}
+            for s in samples
+        ],
+        schema=RESPONSES,
+    )
+    table, _ = validate_tables(tokens, responses, fmt, backend_for(tokenizer), ValidationConfig())
+    checks = {r["sample_id"]: r for r in table.to_pylist()}
+    assert checks["model"]["verdict"] == "pass", checks["model"]
+    assert checks["reencoded"]["verdict"] == "fail"
+    assert {"close_tag_in_reasoning", "close_tag_in_content"} <= set(checks["reencoded"]["structural_issues"])
+    assert checks["split_early"]["verdict"] == "fail"
+    assert "close_tag_in_content" in checks["split_early"]["structural_issues"]

@@ -30,7 +30,8 @@ the default; a "drop" is not counted as a failure):
 - fail: a real_difference of a row that stores the re-encoding (one that stores the model's ids is checked
   against the endpoint's by `model_ids_mismatch`; its re-encoding's difference is reported, not failed), or an
   issue that corrupts the training sequence: the close/open tag or another think marker inside reasoning or
-  content (the split between them is wrong), a special-token id inside
+  content (the split between them is wrong; in a row of the model's ids, the format's own tag only where that
+  section's ids hold its control id: else the model wrote its characters), a special-token id inside
   the reasoning or content beyond the format's own (`<|im_end|>` in the content, a doubled `<think>` across
   the prompt boundary, ...), in the final answer or an earlier regenerated one (`history_*`), a finish_reason
   outside `validation.allowed_finish_reasons` (the sequence is not a complete turn), ids that do not decode
@@ -270,15 +271,11 @@ def _text_checked_tokens(fmt: CompletionFormat) -> set[str]:
     return {*THINK_MARKERS, *TOOL_CALL_TOKENS, *(t for t in (fmt.reasoning_open, fmt.reasoning_close) if t)}
 
 
-def special_token_issues(
-    fmt: CompletionFormat,
-    completion: np.ndarray,
-    reasoning_len: int,
-    layout: CompletionLayout,
-    ids: ControlIds,
-) -> list[str]:
-    """Control ids inside reasoning or content beyond the format's own literals (caught by id, so every
-    special string of the tokenizer is covered at the cost of one vectorised membership test)."""
+def _section_controls(
+    fmt: CompletionFormat, completion: np.ndarray, reasoning_len: int, layout: CompletionLayout, ids: ControlIds
+) -> dict[str, Counter[int]]:
+    """Per section, the control ids in it beyond the format's own literals (the layout's open and close tags are
+    in the reasoning section)."""
     eot_len = 1 if layout.end_of_turn_start < len(layout.text) else 0
     sections = {
         "reasoning": completion[:reasoning_len],
@@ -289,14 +286,44 @@ def special_token_issues(
         expected.update(ids.open_ids)
     if layout.content_start < len(layout.text):
         expected.update(ids.close_ids)
+    found = {
+        where: Counter(int(t) for t in section[np.isin(section, ids.added_array)])
+        for where, section in sections.items()
+    }
+    found["reasoning"] -= expected
+    return found
+
+
+def special_token_issues(
+    fmt: CompletionFormat,
+    completion: np.ndarray,
+    reasoning_len: int,
+    layout: CompletionLayout,
+    ids: ControlIds,
+) -> list[str]:
+    """Control ids inside reasoning or content beyond the format's own literals (caught by id, so every
+    special string of the tokenizer is covered at the cost of one vectorised membership test)."""
     tags = _text_checked_tokens(fmt)
     issues = []
-    for where, section in sections.items():
-        found = Counter(int(t) for t in section[np.isin(section, ids.added_array)])
-        if where == "reasoning":
-            found -= expected
+    for where, found in _section_controls(fmt, completion, reasoning_len, layout, ids).items():
         issues += [f"special_token_in_{where}:{ids.added[t]}" for t in sorted(found) if ids.added[t] not in tags]
     return issues
+
+
+def written_tag_issues(
+    fmt: CompletionFormat, completion: np.ndarray, reasoning_len: int, layout: CompletionLayout, ids: ControlIds
+) -> set[str]:
+    """The format-tag issues found by text (`open_tag_in_*`, `close_tag_in_*`) that a row of the model's own ids
+    shows to be characters the model wrote: that section's ids hold none of the tag's control ids beyond the
+    layout's own. A thinking model explaining `</think>` writes it as ordinary tokens; the reasoning ends at the
+    close id, and failing the row for the text threw a correct row away. A tag that is no control token has only
+    its text to go by, and stays an issue."""
+    written = set()
+    for where, found in _section_controls(fmt, completion, reasoning_len, layout, ids).items():
+        for name, tag_ids in (("open", ids.open_ids), ("close", ids.close_ids)):
+            if tag_ids and not any(found[t] for t in tag_ids):
+                written.add(f"{name}_tag_in_{where}")
+    return written
 
 
 def history_issues(fmt: CompletionFormat, history: Sequence[dict[str, Any]] | None, ids: ControlIds) -> list[str]:
@@ -468,6 +495,9 @@ def validate_tables(
         reasoning, content, finish = resp["reasoning"][r], resp["content"][r], resp["finish_reason"][r]
         layout = layouts[i]
         issues = text_issues(fmt, reasoning, content, finish, allowed, control.added.values())
+        if sources[i] == "model":
+            written = written_tag_issues(fmt, completions[i], reasoning_lens[i], layout, control)
+            issues = [issue for issue in issues if issue not in written]
         issues += special_token_issues(fmt, completions[i], reasoning_lens[i], layout, control)
         if fmt.has_reasoning:
             issues += boundary_issues(
@@ -550,7 +580,7 @@ def validate_tables(
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
-VALIDATE_CODE_VERSION = 3
+VALIDATE_CODE_VERSION = 4
 """Bump when a code change alters the validation rows computed from the same inputs."""
 
 
