@@ -144,7 +144,7 @@ def test_billing_delta_is_flagged(tmp_path: Path, tokenizer_dir: Path, tokenizer
 def test_summary_and_gates(tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
     changed = encode(tokenizer, f"{REASONING}</think>Something else entirely.{EOS}")
-    cfg = make_cfg(tmp_path, tokenizer_dir)
+    cfg = make_cfg(tmp_path, tokenizer_dir, token_ids="reencode")  # the gates judge rows that store re-encodings
     run_part(
         cfg,
         0,

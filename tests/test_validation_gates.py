@@ -110,7 +110,7 @@ def test_reference_and_verdict_rate_gates(
         {"output_ids": split},
         {"content": "Sure.</think>Actually."},
     ]
-    cfg = make_cfg(tmp_path, tokenizer_dir)
+    cfg = make_cfg(tmp_path, tokenizer_dir, token_ids="reencode")  # the gates judge rows that store re-encodings
     run_part(cfg, 0, cases)
     (summary,) = summarize_validation(cfg)
     assert summary["bpe_artifact_rate"] == pytest.approx(1 / 2) and summary["fail_rate"] == pytest.approx(1 / 3)
@@ -131,7 +131,7 @@ def test_a_gate_errors_first_line_is_a_whole_short_summary_with_the_numbers(
     completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
     at = completion.index(encode(tokenizer, " NOR")[0])
     split = [*completion[:at], *encode(tokenizer, " "), *encode(tokenizer, "NOR"), *completion[at + 1 :]]
-    cfg = make_cfg(tmp_path, tokenizer_dir)
+    cfg = make_cfg(tmp_path, tokenizer_dir, token_ids="reencode")
     run_part(cfg, 0, [{"output_ids": completion}, {"output_ids": split}, {"content": "Sure.</think>Actually."}])
     (summary,) = summarize_validation(cfg)
     vcfg = ValidationConfig(max_bpe_artifact_rate=0.2, max_fail_verdict_rate=0.1)
@@ -153,3 +153,19 @@ def test_a_gate_errors_first_line_is_a_whole_short_summary_with_the_numbers(
     assert len(headline) <= HEADLINE_CHARS and "xxx" not in headline and "later" not in headline
     assert headline.startswith("validation gates crossed (9): 'B0' failed_rate 0.0000 > max_failed_rate 0.05; 'B1'")
     assert headline.endswith(" more (details below)")
+
+
+def test_the_reencoding_gates_judge_only_rows_that_store_a_reencoding(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """A row that stores the model's own ids is not flawed by what re-encoding its text would give: a SmolLM2 answer
+    spelling `<|im_end|>` as text passed validation yet crossed `max_real_difference_rate: 0` and stopped the run
+    (a real-model probe). The report still counts every row's re-encoding; the gates count the stored ones."""
+    completion = encode(tokenizer, f"{REASONING}</think>{CONTENT}{EOS}")
+    at = completion.index(encode(tokenizer, " NOR")[0])
+    split = [*completion[:at], *encode(tokenizer, " "), *encode(tokenizer, "NOR"), *completion[at + 1 :]]
+    cfg = make_cfg(tmp_path, tokenizer_dir)
+    run_part(cfg, 0, [{"output_ids": completion}, {"output_ids": split}])
+    (summary,) = summarize_validation(cfg)
+    assert summary["bpe_artifact_rate"] == pytest.approx(1 / 2) and summary["gated"]["referenced"] == 0
+    assert gate_violations([summary], ValidationConfig(max_bpe_artifact_rate=0.0, max_real_difference_rate=0.0)) == []

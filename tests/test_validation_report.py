@@ -28,7 +28,7 @@ def populated_run(run_dir: Path, tokenizer_dir: Path, tokenizer: PreTrainedToken
     at = completion.index(encode(tokenizer, " NOR")[0])
     split = [*completion[:at], *encode(tokenizer, " "), *encode(tokenizer, "NOR"), *completion[at + 1 :]]
     changed = encode(tokenizer, f"{REASONING}</think>{CONTENT.replace('NOT', 'XOR')}{EOS}")
-    cfg = make_cfg(run_dir, tokenizer_dir)
+    cfg = make_cfg(run_dir, tokenizer_dir, token_ids="reencode")  # the gates judge rows storing re-encodings
     n = len(completion)
     cases: list[dict[str, Any]] = [
         {"output_ids": completion, "completion_tokens": n, "provider": "alpha"},
