@@ -26,6 +26,7 @@ from tasks.common.messages import prompt_messages
 from tasks.common.shards import done_parts, read_part
 from tasks.generate.chunks import CHUNKS_DIR, journal_rows, read_chunk
 from tests.conftest import REPO
+from tests.test_generate_money import generate_to_the_end
 
 PROMPTS = 480
 PER_PART = 50
@@ -181,14 +182,7 @@ def test_kill_9_at_random_points_loses_and_repeats_nothing(tmp_path: Path, token
             snap = committed(run_dir)
             snap.by_key = sim.stats()["by_key"]
             snapshots.append(snap)
-        final = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert final.returncode == 0, final.stdout + final.stderr
+        final = generate_to_the_end(config)
         end = sim.stats()["by_key"]
 
     last = snapshots[-1]

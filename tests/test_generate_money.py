@@ -93,6 +93,19 @@ def cli(config: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
         )
 
 
+def generate_to_the_end(config: Path) -> subprocess.CompletedProcess[str]:
+    """The run after the kills, in a process of its own, which must finish (exit 0)."""
+    final = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert final.returncode == 0, final.stdout + final.stderr
+    return final
+
+
 def billed(sim: SimulatorServer) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = sim.billing()["records"]
     return records
@@ -192,14 +205,7 @@ def test_ten_kill_9s_keep_every_paid_answer_and_count_every_cent(tmp_path: Path,
                 ledger = SpendLedger.load(run_dir)
                 assert ledger.totals().counted_usd <= CAP_USD, "(d) the ledger crossed the cap"
                 assert sum(r["cost_usd"] for r in billed(sim)) <= CAP_USD, "(d) the provider billed past the cap"
-        final = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert final.returncode == 0, final.stdout + final.stderr
+        final = generate_to_the_end(config)
         end = Counter(sim.stats()["by_key"])
         records = billed(sim)
         ledger = check_ledger_against_provider(run_dir, sim)
@@ -574,14 +580,7 @@ def test_a_kill_while_answers_wait_for_their_records_loses_none_and_the_rerun_se
         read_before_kill = {r["generation_id"] for r in durable_rows(tmp_path / "run").values()}
         assert len(read_before_kill) >= 16, "the kill came before the answers were journaled"
         time.sleep(3.5)  # their records are in now
-        final = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert final.returncode == 0, final.stdout + final.stderr
+        generate_to_the_end(config)
         by_key = Counter(sim.stats()["by_key"])
         provider = float(sim.billing()["total_usd"])
     assert set(by_key.values()) == {1} and len(by_key) == 48, "an answer was bought again"
