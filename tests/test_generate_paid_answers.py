@@ -100,6 +100,31 @@ def test_an_answer_without_usage_cost_is_recorded_at_its_bill_without_reconcile_
     assert sum(r["cost_usd"] for r in responses(tmp_path).values()) == pytest.approx(provider / 2, rel=0.02)
 
 
+def test_records_slower_than_one_lookup_are_still_the_bill(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records that took longer than one answer's lookup (20 s against 15.5 s at a billing re-verifier) made the
+    run conclude the endpoint keeps none: every answer was recorded at the configured prices, half the bill, and
+    the cap was crossed 1.6x. The first lookup waits longer before concluding that, and an answer whose own
+    lookup misses stays pending until the end-of-run pass finds its record. (Delays scaled down here.)"""
+    from tasks.generate import client
+
+    monkeypatch.setattr(client, "LOOKUP_DELAYS_S", (0.05, 0.05))
+    monkeypatch.setattr(client, "RECORDS_PROBE_DELAYS_S", (0.5, 1.0, 1.0))
+    sim_cfg = SimConfig(
+        seed=7,
+        report_cost=False,
+        generation_lookup_delay_s=0.8,
+        price_prompt_usd_per_mtok=2 * PRICE_PROMPT,
+        price_completion_usd_per_mtok=2 * PRICE_COMPLETION,
+    )
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, "chat")
+    assert summary["done"] == PROMPTS
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0 and dict(totals.settled_by) == {"generation": PROMPTS}
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
 def test_an_endpoint_without_generation_records_is_looked_up_once(
     tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -108,7 +133,7 @@ def test_an_endpoint_without_generation_records_is_looked_up_once(
     from tasks.generate import client
     from tasks.generate.progress import RunEvent, add_event_listener
 
-    monkeypatch.setattr(client, "LOOKUP_DELAYS_S", (0.05, 0.05))
+    monkeypatch.setattr(client, "RECORDS_PROBE_DELAYS_S", (0.05, 0.05))
     events: list[RunEvent] = []
     remove = add_event_listener(events.append)
     write_prompts(tmp_path, [question("no-records", i) for i in range(PROMPTS)])

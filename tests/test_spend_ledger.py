@@ -176,3 +176,29 @@ def test_a_window_with_attempts_awaiting_their_generation_records_is_left_to_tho
     settled, problems = account_settlements(ledger, records_settle_ids=True)
     assert settled == [] and len(problems) == 1 and "1 of 2 pending attempts" in problems[0]
     assert dict(account_settlements(ledger)[0]) == pytest.approx({"a:1": 0.0, "a:2": 0.0})
+
+
+@pytest.mark.parametrize(
+    ("reason", "age_s", "ended"),
+    [
+        ("error_body", 31.0, True),
+        ("stream_error", 31.0, True),
+        ("http_503", 31.0, True),
+        ("context_length", 31.0, True),
+        ("error_body", 5.0, False),
+        ("http_524", 31.0, False),
+        ("timeout", 31.0, False),
+        ("stream_idle", 31.0, False),
+    ],
+)
+def test_an_error_the_provider_ended_long_ago_is_settled_by_its_record_or_its_absence(
+    reason: str, age_s: float, ended: bool
+) -> None:
+    """An HTTP 200 error body naming a generation the provider never recorded stayed pending at worst case for
+    good (a billing re-verifier): like an error status, once old enough a missing or $0 record is its bill. A
+    timeout the server reported, or a cut stream, may still be generating and be billed later."""
+    from tasks.generate.ledger import Attempt
+    from tasks.generate.settlement import ended_long_ago
+
+    attempt = Attempt("s", "d", 0, 1.0, sent_at=1000.0, outcome="pending", generation_id="g", reason=reason)
+    assert ended_long_ago(attempt, 1000.0 + age_s) is ended

@@ -79,6 +79,10 @@ CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "
 # Window regrowth per healthy answer: from half of 2,000 back to 2,000 in ~4,000 answers (seconds at full rate).
 GROWTH_PER_SUCCESS = 0.25
 LOOKUP_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+RECORDS_PROBE_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+"""How long the first answer without usage.cost waits for its record before the run concludes the endpoint keeps
+none (60 s): concluded after `LOOKUP_DELAYS_S` (15.5 s), a provider whose records took 20 s was taken for one
+without records and its answers were recorded at the configured prices, half its bill."""
 LOOKUP_TIMEOUT_S = 10.0
 """One generation-record request: the session's read timeout is the stream's idle timeout (300 s by default), so
 a `/generation` that never answered held a budget stop's settlement for up to 25 minutes with nothing in flight."""
@@ -785,7 +789,7 @@ class EndpointClient:
 
     async def _record_cost(self, generation_id: str) -> float | None:
         """The billed cost in a generation record, where the endpoint keeps them. Whether it does is learned from
-        the first answer without usage.cost (one lookup, up to ~15 s of 404s; the others wait for it): an
+        the first answer without usage.cost (one lookup, up to 60 s of 404s; the others wait for it): an
         OpenAI-compatible server without them (a vendor billing per token, a local server) costs one lookup per
         run, not one per answer."""
         while self._records == "unknown":
@@ -794,7 +798,7 @@ class EndpointClient:
                 continue
             self._records_probe = asyncio.get_running_loop().create_future()
             try:
-                cost = await self.lookup_cost(generation_id)
+                cost = await self.lookup_cost(generation_id, RECORDS_PROBE_DELAYS_S)
                 self._records = "no" if cost is None else "yes"
                 return cost
             finally:

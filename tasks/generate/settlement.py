@@ -229,8 +229,9 @@ class Settler:
             attempt = self.ledger.attempts[uid]
             priced = priced_unless_recorded(attempt, now)
             async with gate:
-                absent = priced if priced is not None else (0.0 if unbilled_unless_recorded(attempt, now) else None)
-                cost = await self.client.lookup_cost(generation_id, delays_s, absent, ended_long_ago(attempt, now))
+                ended = ended_long_ago(attempt, now)
+                absent = priced if priced is not None else (0.0 if ended else None)
+                cost = await self.client.lookup_cost(generation_id, delays_s, absent, ended)
             return cost, ("configured_prices" if priced is not None and cost is priced else "generation")
 
         found = await asyncio.gather(*(one(uid, gid) for uid, gid, _ in pending))
@@ -337,11 +338,13 @@ generated, so its record, once written, does not change."""
 
 
 def ended_long_ago(attempt: Attempt, now: float) -> bool:
-    """A generation the provider ended with an error (a status that named it, an error body or chunk) at least
-    `ABSENT_RECORD_GRACE_S` ago: a record of $0 with no token is its bill, not one still being written. Unbilled
-    error bodies with such records stayed pending at worst case for good and stopped every later run at its cap
-    (a billing probe: $4.13 pending against $0 billed). A cut stream is not ended: a provider that cannot cancel
-    it bills it when the model finishes, possibly minutes later."""
+    """A generation the provider ended with an error (a status that named it, an HTTP 200 error body, an error
+    chunk) at least `ABSENT_RECORD_GRACE_S` ago: its record is written by then (records appear seconds after),
+    so a record of $0 with no token is its bill, not one still being written, and no record at all means it was
+    not billed ($0). Such attempts stayed pending at worst case for good and stopped every later run at its cap
+    (21 unbilled 503s; a billing probe's error bodies, $4.13 pending against $0 billed). Timeouts the server
+    reported (408, 499, 524) and cut streams are not ended: the upstream may finish and bill, possibly minutes
+    later."""
     code = "400" if attempt.reason == "context_length" else (attempt.reason or "").removeprefix("http_")
     errored = attempt.reason in ENDED_WITH_ERROR_REASONS or (
         code.isdigit() and int(code) not in UPSTREAM_TIMEOUT_STATUS
@@ -355,21 +358,6 @@ def priced_unless_recorded(attempt: Attempt, now: float) -> float | None:
     there is (an endpoint that keeps no records), not its worst case for good."""
     old_enough = attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
     return attempt.estimate_usd if attempt.reason == NO_USAGE_COST and old_enough else None
-
-
-def unbilled_unless_recorded(attempt: Attempt, now: float) -> bool:
-    """An error status that named a generation (`X-Generation-Id` on a 429, 502, 503, a 4xx) is pending until its
-    record says what it cost; a provider that names generations it never bills writes no record, and such attempts
-    stayed pending at worst case for good: 21 unbilled 503s stopped every later run at its cap. Once the attempt is
-    `ABSENT_RECORD_GRACE_S` old (records appear seconds after the answer), a lookup that finds no record settles
-    it at $0. Timeouts the server reported (408, 499, 524) stay pending: the upstream may have finished and billed."""
-    code = "400" if attempt.reason == "context_length" else (attempt.reason or "").removeprefix("http_")
-    return (
-        code.isdigit()
-        and int(code) not in UPSTREAM_TIMEOUT_STATUS
-        and attempt.sent_at is not None
-        and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
-    )
 
 
 def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None:
