@@ -768,7 +768,6 @@ class EndpointClient:
                 return
             cost, src = estimate, "configured_prices"
             self.priced_not_billed += 1
-        result.billed_cost_usd = cost if src == "generation" else None
         if self.ledger is not None:
             self.ledger.settled(uid, cost, src)
         self.pending_usd -= worst
@@ -776,11 +775,6 @@ class EndpointClient:
         self.billed_usd += cost
         self.budget.rebill(worst, cost)
         self._learn_prices(worst, cost if src == "generation" else None, result)
-
-    @property
-    def billing_uids(self) -> set[str]:
-        """Attempts whose bill `_bill_from_record` is looking up: the settlement passes leave them to it."""
-        return set(self._bills)
 
     async def drain_bills(self) -> None:
         """Waits for every `_bill_from_record` still looking its record up (before the end-of-run settlement)."""
