@@ -225,6 +225,11 @@ class CompletionLayout:
     content_start: int
     end_of_turn_start: int
 
+    @property
+    def ends_turn(self) -> bool:
+        """The layout holds an end-of-turn token (a finished answer; one cut by `max_tokens` has none)."""
+        return self.end_of_turn_start < len(self.text)
+
 
 def normalized_parts(
     fmt: CompletionFormat, reasoning: str | None, content: str | None, truncated: bool = False
@@ -300,7 +305,7 @@ def without_cut_character(fmt: CompletionFormat, layout: CompletionLayout) -> Co
     prefix of the model's answer. The cut is never taken below the section it is in (content, or reasoning after
     the format's own opening)."""
     text = layout.text.rstrip(CUT_CHARACTER)
-    if len(text) == len(layout.text) or layout.end_of_turn_start < len(layout.text):
+    if len(text) == len(layout.text) or layout.ends_turn:
         return layout
     if layout.content_start < len(layout.text):
         floor = layout.content_start

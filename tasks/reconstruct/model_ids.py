@@ -41,13 +41,12 @@ def model_completion(
     """(ids, content start, end-of-turn start) of the completion in the model's own ids, or None when they do
     not spell the layout's text. A turn that ended gets its end-of-turn id if the endpoint left it off."""
     ids = [int(t) for t in output_ids]
-    ends_turn = layout.end_of_turn_start < len(layout.text)
-    if ends_turn and (not ids or ids[-1] != end_of_turn_id):
+    if layout.ends_turn and (not ids or ids[-1] != end_of_turn_id):
         ids.append(end_of_turn_id)
     if backend.decode(ids) != layout.text:
         return None
     content_at = token_at(backend, ids, layout.content_start, len(layout.text))
-    eot_at = len(ids) - 1 if ends_turn else len(ids)
+    eot_at = len(ids) - 1 if layout.ends_turn else len(ids)
     if content_at > eot_at:
         return None
     return ids, content_at, eot_at

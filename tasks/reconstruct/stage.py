@@ -283,7 +283,7 @@ def _final_turn_rows(
             layout = encoded[i]
             completion_ids[i] = fixed
             content_at = token_at(backend, fixed, layout.content_start, len(layout.text))
-            at[i] = (content_at, len(fixed) - 1 if layout.end_of_turn_start < len(layout.text) else len(fixed))
+            at[i] = (content_at, len(fixed) - 1 if layout.ends_turn else len(fixed))
             sources[i] = "repaired"
     for sample, ids in zip(samples, prompt_ids, strict=True):
         _check_prompt_ids(sample, ids)

@@ -276,7 +276,7 @@ def _section_controls(
 ) -> dict[str, Counter[int]]:
     """Per section, the control ids in it beyond the format's own literals (the layout's open and close tags are
     in the reasoning section)."""
-    eot_len = 1 if layout.end_of_turn_start < len(layout.text) else 0
+    eot_len = 1 if layout.ends_turn else 0
     sections = {
         "reasoning": completion[:reasoning_len],
         "content": completion[reasoning_len : len(completion) - eot_len],
@@ -520,7 +520,7 @@ def validate_tables(
                 issues.append("nothing_kept_after_cut")
         reference = output_ids[r].as_py() if has_output[r] else None
         stored = completions[i].tolist()
-        eot_id, ends_turn = control.end_of_turn_id, layout.end_of_turn_start < len(layout.text)
+        eot_id, ends_turn = control.end_of_turn_id, layout.ends_turn
         ref = compare_reference(backend, reencoded.get(i, stored), reference, eot_id, ends_turn)
         stored_exact = sources[i] == "model"
         if stored_exact and compare_reference(backend, stored, reference, eot_id, ends_turn).match != "exact":
