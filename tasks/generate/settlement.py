@@ -349,15 +349,19 @@ def ended_long_ago(attempt: Attempt, now: float) -> bool:
     errored = attempt.reason in ENDED_WITH_ERROR_REASONS or (
         code.isdigit() and int(code) not in UPSTREAM_TIMEOUT_STATUS
     )
-    return errored and attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
+    return errored and _record_due(attempt, now)
 
 
 def priced_unless_recorded(attempt: Attempt, now: float) -> float | None:
     """An answer without usage.cost whose record was still being looked up when its run was killed: at least
     `ABSENT_RECORD_GRACE_S` old and the provider has no record of it, its configured prices' figure is the best
     there is (an endpoint that keeps no records), not its worst case for good."""
-    old_enough = attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
-    return attempt.estimate_usd if attempt.reason == NO_USAGE_COST and old_enough else None
+    return attempt.estimate_usd if attempt.reason == NO_USAGE_COST and _record_due(attempt, now) else None
+
+
+def _record_due(attempt: Attempt, now: float) -> bool:
+    """Sent at least `ABSENT_RECORD_GRACE_S` ago: a record the provider keeps is written by then."""
+    return attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
 
 
 def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None:
