@@ -153,7 +153,6 @@ class PrefectProgressListener:
         self._lock = threading.Lock()
         if flow_run_id is not None:
             self._call(lambda client: retire_progress_cards(client, flow_run_id, key, SUPERSEDED))
-            self._call(lambda client: retire_cards_of_ended_runs(client, flow_run_id, key))
         initial = self._artifact("progress", key, 0.0, "**generate**: waiting for the first results")
         self.progress_id: UUID = self._call(lambda client: client.create_artifact(initial).id)
 
@@ -198,9 +197,11 @@ def retire_progress_cards(
     """Progress cards an earlier attempt of this flow run left (a task retry, or the UI's Retry of a crashed run):
     each still open is told it is finished with, `note` first in its description (and set to `percent`, when
     given). A retried run that found nothing left to send kept the crashed attempt's card at 50% "in progress"
-    on a Completed run."""
+    on a Completed run. Open cards other flow runs left when they ended are retired first
+    (`retire_cards_of_ended_runs`); the count returned is this run's."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
+    retire_cards_of_ended_runs(client, flow_run_id, key)
     cards = client.read_artifacts(
         artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
@@ -258,7 +259,6 @@ def retire_progress_of_this_run(key: str, note: str, percent: float | None = Non
     if flow_run_id is None:
         return 0
     with get_client(sync_client=True) as client:
-        retire_cards_of_ended_runs(client, flow_run_id, key)
         return retire_progress_cards(client, flow_run_id, key, note, percent)
 
 
