@@ -15,14 +15,15 @@ from typing import Any, cast
 
 from prefect import get_run_logger
 from prefect.client.orchestration import SyncPrefectClient, get_client
-from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName, WorkerFilter, WorkerFilterStatus
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled
 
 from flows.params import RunParameters
 from flows.run_names import handoff_name
-from tasks.common.errors import ExtractDeploymentError
+from tasks.common.errors import ConfigError, ExtractDeploymentError
 
 EXTRACT_POLL_S = 1.0
 """How often the extraction run's state is read (Prefect's own default is 5 s: 2.5 s lost on average)."""
@@ -33,6 +34,26 @@ WORKER_HINT = "`prefect worker start --pool {pool} --type process --limit 1`, as
 def live_workers(client: SyncPrefectClient, pool: str) -> int:
     online = WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"]))
     return len(client.read_workers_for_work_pool(pool, worker_filter=online))
+
+
+def require_extract_deployment(name: str) -> None:
+    """Refuse a hand-off to a deployment the server does not have before the run sends anything: the probe's
+    typo'd `eagle3-extract/nope` paid for generation and failed only at the hand-off, with `ObjectNotFound: None`."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+        except (ObjectNotFound, ValueError):  # ValueError: not `<flow>/<deployment>`
+            raise ConfigError(
+                f"extract_deployment {name!r}: no such deployment; deployed: {_deployed(client, name)}"
+            ) from None
+
+
+def _deployed(client: SyncPrefectClient, name: str) -> str:
+    """The deployments of the flow `name` names (`eagle3-extract/...`), or of `eagle3-extract` when it names none."""
+    flow_name = name.split("/", 1)[0] if "/" in name else "eagle3-extract"
+    flows = FlowFilter(name=FlowFilterName(any_=[flow_name]))
+    found = client.read_deployments(flow_filter=flows, limit=50)
+    return ", ".join(sorted(f"{flow_name}/{d.name}" for d in found)) or f"none of flow {flow_name}"
 
 
 def extract_on_deployment(run: RunParameters, run_dir_name: str) -> list[dict[str, Any]]:

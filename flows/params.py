@@ -13,6 +13,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, cast, get_args, get_origin
 
+from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from blocks.artifact_store import ArtifactStoreBlock
@@ -154,8 +155,23 @@ class ResolvedRun:
     store: RunStore | None
 
 
-def _load_block(cls: type[Any], name: str) -> Any:
-    return cls.load(name)
+def _load_block(cls: type[Any], name: str, field: str) -> Any:
+    """The saved block `name`; a name the server does not hold is a ConfigError of one line naming the form's
+    field and the blocks of that type it does hold (Prefect's own ValueError came with two long tracebacks)."""
+    try:
+        return cls.load(name)
+    except ValueError as exc:
+        if not isinstance(exc.__cause__, ObjectNotFound):
+            raise
+        raise ConfigError(f"{field} {name!r}: no such block; saved: {_saved_blocks(cls)}") from None
+
+
+def _saved_blocks(cls: type[Any]) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        saved = client.read_block_documents_by_type(cls.get_block_type_slug(), include_secrets=False)
+    return ", ".join(sorted(doc.name for doc in saved if doc.name and not doc.is_anonymous)) or "none"
 
 
 def resolve_run(params: RunParameters) -> ResolvedRun:
@@ -175,17 +191,25 @@ def _resolve_run(params: RunParameters) -> ResolvedRun:
         cfg = PipelineConfig.model_validate(apply_overrides(dict(params.config or {}), params.overrides))
     update: dict[str, Any] = {}
     if params.endpoint_block:
-        endpoint = cast(InferenceEndpointBlock, _load_block(InferenceEndpointBlock, params.endpoint_block))
+        endpoint = cast(
+            InferenceEndpointBlock, _load_block(InferenceEndpointBlock, params.endpoint_block, "endpoint_block")
+        )
         update["endpoint"] = endpoint.to_endpoint_config(cfg.endpoint)
     if params.tokenizer_block:
-        tokenizer = cast(TokenizerSourceBlock, _load_block(TokenizerSourceBlock, params.tokenizer_block))
+        tokenizer = cast(
+            TokenizerSourceBlock, _load_block(TokenizerSourceBlock, params.tokenizer_block, "tokenizer_block")
+        )
         update["tokenizer"] = tokenizer.to_tokenizer_config()
     if params.backend_block:
-        backend = cast(HiddenStateBackendBlock, _load_block(HiddenStateBackendBlock, params.backend_block))
+        backend = cast(
+            HiddenStateBackendBlock, _load_block(HiddenStateBackendBlock, params.backend_block, "backend_block")
+        )
         update["extract"] = backend.to_extract_config(cfg.extract)
     store = None
     if params.artifact_store_block:
-        block = cast(ArtifactStoreBlock, _load_block(ArtifactStoreBlock, params.artifact_store_block))
+        block = cast(
+            ArtifactStoreBlock, _load_block(ArtifactStoreBlock, params.artifact_store_block, "artifact_store_block")
+        )
         update["run_dir"] = block.local_run_dir(cfg.run_dir.name)
         store = block.run_store(cfg.run_dir.name)
     if update:

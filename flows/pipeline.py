@@ -22,7 +22,7 @@ from prefect.states import Completed
 from flows.artifact_keys import run_key
 from flows.budget_stop import mark_budget_stopped
 from flows.crashed_leftovers import RUN_TAG, close_crashed_leftovers
-from flows.extract_handoff import extract_on_deployment
+from flows.extract_handoff import extract_on_deployment, require_extract_deployment
 from flows.failed_samples import publish_failed_samples
 from flows.generate_progress import (
     PROGRESS_KEY,
@@ -34,7 +34,7 @@ from flows.generate_progress import (
 )
 from flows.params import RunParameters, in_slice, resolve_run
 from flows.retry_policy import retry_transient
-from flows.run_names import flow_run_name
+from flows.run_names import flow_run_name, run_dir_label
 from tasks.common.artifact_store import RunStore
 from tasks.common.config import PipelineConfig
 from tasks.common.run_summary import run_summary_markdown
@@ -511,13 +511,12 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
     ]
     lines += [f"- {line}" for line in message_lines[1:]]
     lines.append("")
-    key = "failure-summary"  # a run whose config does not resolve has no run directory to scope it by
+    key = failure_summary_key(flow_run.parameters)
     with warnings.catch_warnings():  # the hook may run outside the run's context: the run is named explicitly
         warnings.simplefilter("ignore", FutureWarning)
         try:
             run = RunParameters.model_validate(flow_run.parameters.get("run", {}))
             cfg = resolve_run(run).cfg
-            key = run_key(key, cfg.run_dir)
             lines.append(f"Run directory `{cfg.run_dir}`; finished parts per stage:")
             lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
             status = run_status(
@@ -532,6 +531,13 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
         except Exception as exc:  # the hook must report, never raise: the run has already failed
             lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
         MarkdownArtifact(key=key, markdown="\n".join(lines), flow_run_id=flow_run.id).create()
+
+
+def failure_summary_key(parameters: dict[str, Any]) -> str:
+    """Keyed by the run directory the form names, as every artifact is: a run whose blocks or deployment do not
+    resolve still says which directory it was for. Bare only when the form does not tell the directory."""
+    label = run_dir_label(parameters)
+    return run_key("failure-summary", label) if label else "failure-summary"
 
 
 def rerun_outlook(status: RunStatus) -> list[str]:
@@ -561,6 +567,8 @@ FLOW_OPTIONS: dict[str, Any] = {
 def pipeline(run: RunParameters) -> dict[str, Any]:
     """Every stage; each resumes from the completion markers already in the run directory."""
     resolved = resolve_run(run)
+    if resolved.cfg.extract.enabled and run.extract_deployment:
+        require_extract_deployment(run.extract_deployment)
     _pull(resolved.store, *STAGES, SCORES_STAGE)
     return _finish(run_pipeline(resolved.cfg, resolved.store, run), resolved.cfg)
 
