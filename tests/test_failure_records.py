@@ -37,7 +37,11 @@ def test_a_record_has_the_shared_columns_one_line_of_error_and_the_rerun_outlook
     assert row["rerun"] == "retried by the next run"
     assert rerun_action("responses", "deterministic", "context_length").startswith("never as sent")
     assert "sampling.max_tokens" in rerun_action("responses", "deterministic", "length")
-    assert "retry_failed: all" in rerun_action("responses", "deterministic", "http_400", retry_failed="all")
+    # Under a run that had retry_failed: all, a plain Run or the nightly rerun (which do not carry the override)
+    # would not resend: the words say which run does; a prompt over the context is refused again as sent.
+    resent = rerun_action("responses", "deterministic", "http_400", retry_failed="all")
+    assert resent == "resent only by a run with endpoint.retry_failed: all (as this one had)"
+    assert rerun_action("responses", "deterministic", "context_length", retry_failed="all").startswith("never as sent")
     assert rerun_action("prepare", "quarantined", "").startswith("never: fix the row")
 
 
@@ -67,8 +71,11 @@ def test_deterministic_failures_have_their_own_gate_and_a_message_that_names_sam
     assert "deterministic_failed_rate 0.1667 (8/48 responses: context_length 8; samples ctx-0" in line
     assert "and 3 more" in line and "does not send them again (never as sent" in line
     assert line.endswith("set validation.max_deterministic_failed_rate=0.17") and not rerun_may_pass(line)
-    resent = failed_gate_violations("B1", _stats(eight), vcfg, retry_failed="all")[0]
-    assert "the next run sends them again (endpoint.retry_failed: all)" in resent
+    (resent,) = failed_gate_violations("B1", _stats(eight), vcfg, retry_failed="all")
+    assert "the next run" not in resent and "never as sent" in resent
+    refused = {f"bad-{i}": "http_400" for i in range(8)}
+    (resent,) = failed_gate_violations("B1", _stats(refused), vcfg, retry_failed="all")
+    assert "resent only by a run with endpoint.retry_failed: all (as this one had); or to accept" in resent
 
     transient = {f"t-{i}": "http_503" for i in range(3)} | {"o-1": "outage"}
     (line,) = failed_gate_violations("B1", _stats(transient), vcfg)

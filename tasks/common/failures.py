@@ -70,6 +70,11 @@ failure-summary, run-status and failed-samples artifacts and the run's state mes
 from the run form, where a CLI flag means nothing) as well as the CLI's own output."""
 
 
+RESENT_BY_ALL = "resent only by a run with endpoint.retry_failed: all (as this one had)"
+"""A deterministic failure under a run that had `retry_failed: all`: the plain Run and the nightly rerun do not
+carry that override, so "retried by the next run" was untrue for them."""
+
+
 def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "transient") -> str:
     """What the next run does about one failed sample, in words a user acts on: the one answer to "will a rerun
     fix this?", shared by the failure record, the gate messages and the failure summary."""
@@ -79,15 +84,15 @@ def rerun_action(stage: str, klass: str, reason: str, retry_failed: str = "trans
         return "never with the same answer: change validation.*, or delete the response to buy it again"
     if klass in ("transient", "outage", "budget"):
         return "retried by the next run"
+    if reason == "context_length":  # resent under retry_failed: all too, and refused again
+        return "never as sent: the prompt exceeds the context; only after the model or the prompt changes"
     if retry_failed == "all":
-        return "retried by the next run (endpoint.retry_failed: all)"
+        return RESENT_BY_ALL
     if reason == "length":
         return (
             "only after sampling.max_tokens is raised (a cut final answer is also kept by "
             f"endpoint.keep_length_truncated; a cut earlier turn never is), {RETRY_ALL_HINT}"
         )
-    if reason == "context_length":
-        return "never as sent: the prompt exceeds the context; only after the model or the prompt changes"
     return (
         f"never with the same settings: only after the model, routing, sampling or template changes, {RETRY_ALL_HINT}"
     )

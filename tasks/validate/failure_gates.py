@@ -90,11 +90,12 @@ def failed_gate_violations(
         n = stats["failed_deterministic"]
         needed = min(1.0, int(n / responses * 100 + 1) / 100) if responses else 1.0
         accept = f"to accept them set validation.max_deterministic_failed_rate={needed}"
+        reruns = {rerun_action("responses", "deterministic", r, retry_failed) for r in reasons["deterministic"]}
+        actions = "; ".join(sorted(reruns))
         if retry_failed == "all":
-            outlook = f"the next run sends them again (endpoint.retry_failed: all), or {accept}"
+            outlook = f"{actions}; or {accept}"
         else:
-            actions = sorted({rerun_action("responses", "deterministic", r) for r in reasons["deterministic"]})
-            outlook = f"a rerun with the same settings does not send them again ({'; '.join(actions)}): {accept}"
+            outlook = f"a rerun with the same settings does not send them again ({actions}): {accept}"
         crossed.append(
             f"{name}: deterministic_failed_rate {stats['deterministic_failed_rate']:.4f} ({n}/{responses} responses: "
             f"{_listed(reasons['deterministic'], examples['deterministic'], n)}) > max_deterministic_failed_rate "
