@@ -23,12 +23,15 @@ prefect --no-prompt deploy --prefect-file deployments/prefect.yaml --all
 python deployments/schedule_state.py restore "$schedules"
 # pipeline and nightly-rerun write the same run directory: one shared concurrency slot, a second run queues.
 python deployments/run_dir_concurrency.py
-# EAGLE3_DEMO_BLOCKS=1: save the blocks the deployments name, pointing at the local simulator
-# (EAGLE3_DEMO_ENDPOINT, default http://127.0.0.1:30000) and EAGLE3_DEMO_RUNS_DIR (default runs/; the worker
-# images set /runs, the volume every worker of docker/compose.yaml mounts).
+# EAGLE3_DEMO_BLOCKS=1: save the blocks the deployments name that do not exist yet (yours are kept; =force
+# overwrites them), pointing at the local simulator (EAGLE3_DEMO_ENDPOINT, default http://127.0.0.1:30000) and
+# EAGLE3_DEMO_RUNS_DIR (default runs/; the worker images set /runs, the volume every worker of docker/compose.yaml
+# mounts).
 if [ -n "${EAGLE3_DEMO_BLOCKS:-}" ]; then
+  force=()
+  if [ "$EAGLE3_DEMO_BLOCKS" = force ]; then force=(--force); fi
   python deployments/demo_blocks.py --endpoint-url "${EAGLE3_DEMO_ENDPOINT:-http://127.0.0.1:30000}" \
-    --runs-dir "${EAGLE3_DEMO_RUNS_DIR:-runs}"
+    --runs-dir "${EAGLE3_DEMO_RUNS_DIR:-runs}" ${force[@]+"${force[@]}"}
 fi
 # EAGLE3_STORE_URL=s3://bucket/prefix: the run store the workers share (README, "Several hosts"): the bucket is
 # created if missing, this host must be able to write there, and the eagle3-runs block points at it.
