@@ -53,8 +53,8 @@ def run_dir_of_form(form: RunParameters) -> str | None:
 
 
 def run_dir_label(parameters: dict[str, Any]) -> str | None:
-    """The run directory's name from a flow's parameters: a `run` form (the pipeline and stage flows) or a
-    resolved `cfg` (the CPU-stages subflow); None when neither tells it."""
+    """The run directory's name from a flow's parameters: a `run` form (the pipeline and stage flows), a
+    resolved `cfg` (the CPU-stages subflow) or a `run_dir` path (train, evaluate); None when none tells it."""
     try:
         if "run" in parameters:
             run = parameters["run"]
@@ -62,6 +62,9 @@ def run_dir_label(parameters: dict[str, Any]) -> str | None:
         cfg = parameters.get("cfg")
         if isinstance(cfg, PipelineConfig):
             return cfg.run_dir.name or None
+        run_dir = parameters.get("run_dir")
+        if isinstance(run_dir, str | Path) and str(run_dir).strip():
+            return Path(run_dir).resolve().name or None
     except Exception:  # a name must never fail a run: the run reports its bad config itself, later
         return None
     return None

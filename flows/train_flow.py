@@ -12,6 +12,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.artifact_keys import run_key
+from flows.run_names import flow_run_name
 
 
 @task(name="train-drafter")
@@ -52,13 +53,13 @@ def evaluate_task(run_dir: str, train_dir: str | None, kwargs: dict[str, Any]) -
     return result
 
 
-@flow(name="eagle3-evaluate")
+@flow(name="eagle3-evaluate", flow_run_name=flow_run_name)
 def evaluate_flow(run_dir: str, train_dir: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = evaluate_task(run_dir, train_dir, kwargs or {})
     return result
 
 
-@flow(name="eagle3-train")
+@flow(name="eagle3-train", flow_run_name=flow_run_name)  # `train-<run dir>-<6 hex>`
 def train_flow(
     run_dir: str,
     out_dir: str | None = None,

@@ -108,3 +108,12 @@ def test_runs_subflows_and_the_extraction_hand_off_are_named_after_their_run_dir
     assert stored == names["pipeline"] == f"pipeline-nightly-{run_id.hex[-6:]}"
     assert names["cpu"].startswith("cpu-stages-nightly-") and names["cpu"] != stored
     assert names["extract"] == f"extract-nightly-for-{stored}"
+
+
+def test_the_train_and_evaluate_flows_are_named_after_their_run_directory() -> None:
+    """`eagle3-train` runs (the train-gpu deployment) were listed under Prefect's random names."""
+    from flows.train_flow import evaluate_flow, train_flow
+
+    assert train_flow.flow_run_name is flow_run_name and evaluate_flow.flow_run_name is flow_run_name
+    assert run_name("eagle3-train", {"run_dir": "runs/nope", "evaluate": True}, RUN_ID) == "train-nope-8b9c0d"
+    assert run_name("eagle3-evaluate", {"run_dir": "/runs/run"}, RUN_ID) == "evaluate-run-8b9c0d"

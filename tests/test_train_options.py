@@ -90,3 +90,19 @@ def test_a_run_directory_this_host_does_not_have_is_named_as_such(tmp_path: Path
     (tmp_path / "run").mkdir()
     with pytest.raises(TrainError, match="no finished hidden_states parts: run extract first"):
         hidden_states_provenance(tmp_path / "run")
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_train_run_refuses_a_run_directory_without_writing_into_it(tmp_path: Path, made: bool) -> None:
+    """A UI probe's `run_dir: runs/nope` got `runs/nope/train/train_options.json` written before the check, and
+    then "run extract first" for the directory that write had made, not "does not exist on this host"."""
+    from tasks.train import train_run
+    from tasks.train.stage import TrainError
+
+    run_dir = tmp_path / "nope"
+    if made:
+        run_dir.mkdir()
+    says = "no finished hidden_states parts: run extract first" if made else "does not exist on this host"
+    with pytest.raises(TrainError, match=says):
+        train_run(run_dir)
+    assert (list(run_dir.iterdir()) == []) if made else not run_dir.exists()

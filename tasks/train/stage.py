@@ -91,12 +91,16 @@ class TrainOptions:
         )
 
 
-def hidden_states_provenance(run_dir: Path) -> dict[str, Any]:
+def require_run_dir(run_dir: Path) -> None:
     if not Path(run_dir).is_dir():
         raise TrainError(
             f"run directory {Path(run_dir).resolve()} does not exist on this host (a deployment's run_dir is read "
             "where its worker runs: the docker/compose.yaml workers keep run directories at /runs, e.g. /runs/run)"
         )
+
+
+def hidden_states_provenance(run_dir: Path) -> dict[str, Any]:
+    require_run_dir(run_dir)
     refs = done_parts(Path(run_dir), "hidden_states")
     if not refs:
         raise TrainError(f"{run_dir} has no finished hidden_states parts: run extract first")
@@ -327,10 +331,13 @@ def _scalars(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions | None = None) -> dict[str, Any]:
-    """Export (if needed) and train; returns the summary also written to `<out_dir>/train_summary.json`."""
+    """Export (if needed) and train; returns the summary also written to `<out_dir>/train_summary.json`. A run
+    directory that is not there, or holds nothing to train on, is refused before anything is written (a UI probe's
+    `runs/nope` got a `train/train_options.json`, and then "run extract first" for the directory that made)."""
     from tasks.export import export_run
 
     run_dir = Path(run_dir).resolve()
+    require_run_dir(run_dir)
     out = Path(out_dir or run_dir / "train").resolve()
     opts = (options or TrainOptions()).for_device()
     summary_path = out / SUMMARY_NAME
@@ -338,10 +345,10 @@ def train_run(run_dir: Path, out_dir: Path | None = None, options: TrainOptions 
     previous = finished_summary(out, opts, data)
     if previous is not None:
         return previous
+    verifier, _ = resolve_verifier(run_dir, opts)
     restarted = discard_incompatible(out, opts, data)
     atomic_write_text(out / OPTIONS_NAME, json.dumps(_jsonable(asdict(opts)) | {DATA_KEY: data}, indent=2))
     started = time.monotonic()
-    verifier, _ = resolve_verifier(run_dir, opts)
     export_stats = export_run(
         run_dir,
         "speculators",
