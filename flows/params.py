@@ -29,11 +29,15 @@ from tasks.common.errors import ConfigError
 # `enforce_parameter_schema`): the model validator below runs only in the flow, after the server had already
 # written a key typed into the Run form to its database and shown it on the run's Parameters tab. On property
 # names only, so the refusal the server returns does not quote the key; and without `properties`, which the UI's
-# form renders as sub-fields (an "Endpoint" field under Overrides replaced the whole endpoint section). Patterns
-# are portable (no inline flags), as the browser checks them too.
+# form renders as sub-fields (an "Endpoint" field under Overrides replaced the whole endpoint section). Names are
+# checked against the list of those allowed (`enum`), not refused by pattern: the server's message then lists the
+# valid names, where a refused pattern showed the user a raw regular expression (which the UI rendered partly as a
+# link) and a typo got "is not valid under any of the given schemas". Patterns are portable (no inline flags), as
+# the browser checks them too.
 _KEY_LIKE = r"[Aa][Pp][Ii][_-]?[Kk][Ee][Yy](?![_-]?[Ee][Nn][Vv])"
 """`api_key`, `API_KEY`, `api-key`, but not `api_key_env` (the name of an environment variable)"""
-_ENDPOINT_SECTION = r"^\s*[Ee][Nn][Dd][Pp][Oo][Ii][Nn][Tt]\s*$"
+_SECRET = "endpoint.api_key"
+_ENDPOINT = "endpoint"
 
 
 def _config_paths(model: type[BaseModel], prefix: str = "") -> tuple[list[str], list[str]]:
@@ -56,26 +60,34 @@ def _config_paths(model: type[BaseModel], prefix: str = "") -> tuple[list[str], 
 
 
 def _override_names_schema() -> dict[str, Any]:
+    """The secret first, so its refusal names it; then a mapping's own keys (free, but never key-like) or one
+    of the config's names less the secret and the whole endpoint section (which replaces the block's)."""
     names, mappings = _config_paths(PipelineConfig)
     free = "|".join(re.escape(path) for path in mappings)
     return {
         "allOf": [
-            # a name the config does not have (`Endpoint`, `endpoint.api_token`) was refused only in the flow,
-            # after the server had stored the value typed beside it
-            {"anyOf": [{"enum": names}, {"pattern": f"^({free})\\..+$"}]},
-            # a whole `endpoint` section as one override replaces the block's (and carries a key unseen)
-            {"not": {"anyOf": [{"pattern": _ENDPOINT_SECTION}, {"pattern": _KEY_LIKE}]}},
+            {"not": {"enum": [_ENDPOINT, _SECRET]}},
+            {
+                "if": {"pattern": f"^({free})\\..+$"},
+                "then": {"not": {"pattern": _KEY_LIKE}},
+                "else": {"enum": [n for n in names if n not in (_ENDPOINT, _SECRET)]},
+            },
         ]
     }
 
 
+def _config_names_schema() -> dict[str, Any]:
+    """An inline config's section names, and its endpoint section's field names less the secret."""
+    names, _ = _config_paths(PipelineConfig)
+    endpoint = [n.removeprefix(f"{_ENDPOINT}.") for n in names if n.startswith(f"{_ENDPOINT}.") and n != _SECRET]
+    return {
+        "propertyNames": {"enum": [n for n in names if "." not in n]},
+        "patternProperties": {f"^{_ENDPOINT}$": {"propertyNames": {"enum": [n for n in endpoint if "." not in n]}}},
+    }
+
+
 _NO_KEY_IN_OVERRIDES: dict[str, Any] = {"propertyNames": _override_names_schema()}
-_NO_KEY_IN_CONFIG: dict[str, Any] = {
-    "propertyNames": {"not": {"anyOf": [{"pattern": r"\."}, {"pattern": _KEY_LIKE}]}},
-    "patternProperties": {  # `Endpoint`, `endpoint `: refused later by the config, but stored by then
-        _ENDPOINT_SECTION: {"propertyNames": {"not": {"pattern": _KEY_LIKE}}}
-    },
-}
+_NO_KEY_IN_CONFIG: dict[str, Any] = _config_names_schema()
 
 
 class RunParameters(BaseModel):

@@ -129,3 +129,30 @@ def test_the_prefect_server_refuses_a_key_in_the_run_form_before_storing_it(para
     assert validate({"run": fine}, schema, raise_on_error=True) == []
     fields = schema["definitions"]["RunParameters"]["properties"]
     assert "properties" not in fields["overrides"] and "properties" not in fields["config"]
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ({"endpoint.api_key": "sk-typed-KEY"}, "'endpoint.api_key' should not be valid under {'enum': ['endpoint', "),
+        ({"endpoint": {"api_key": "sk-typed-KEY"}}, "'endpoint' should not be valid under {'enum': ['endpoint', "),
+        ({"endpoint.max_inflight": 8}, "'endpoint.max_inflight' is not one of ['datasets', "),
+        ({"Endpoint": {"api_key": "sk-typed-KEY"}}, "'Endpoint' is not one of ['datasets', "),
+    ],
+)
+def test_the_servers_refusal_of_an_override_name_is_readable(overrides: dict[str, object], says: str) -> None:
+    """A UI probe was shown a raw regular expression (rendered partly as a markdown link) for `endpoint.api_key`,
+    and "is not valid under any of the given schemas" for a typo, without the names it could have meant."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+    from prefect.utilities.schema_tools.validation import ValidationError as SchemaError
+
+    from flows.pipeline import pipeline
+
+    schema = parameter_schema(pipeline).model_dump_for_openapi()
+    with pytest.raises(SchemaError) as refused:
+        validate({"run": {"config_path": "a.yaml", "overrides": overrides}}, schema, raise_on_error=True)
+    message = str(refused.value)
+    assert says in message and "[Aa]" not in message and "any of the given schemas" not in message
+    if "not one of" in message:
+        assert "'endpoint.max_in_flight'" in message and "'endpoint.api_key'" not in message
