@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -191,6 +192,23 @@ OPEN_CARD_HEADINGS = ("**generate: in progress**", "**generate**: waiting")
 SUPERSEDED = "an earlier attempt of this flow run, ended before it finished: the newest card is current"
 
 
+def closed_card(description: str, why: str) -> str:
+    """An open card's text as a card cut short reads (`heading`, `_eta`): a retired card kept "generate: in
+    progress", an ETA, requests in flight and money reserved below the note that said its run had ended."""
+    lines = []
+    for line in description.splitlines():
+        if line.startswith(OPEN_CARD_HEADINGS):
+            line = f"**generate: stopped: {why}**"
+        elif line.startswith("| ETA |"):
+            line = f"| ETA | none: stopped ({why}) |"
+        elif line.startswith("| in flight |"):
+            line = "| in flight | none: its attempt ended |"
+        elif line.startswith("| budget |"):
+            line = re.sub(r"\$[0-9,.]+ reserved", "nothing reserved", line)
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def retire_progress_cards(
     client: SyncPrefectClient, flow_run_id: UUID, key: str, note: str, percent: float | None = None
 ) -> int:
@@ -212,7 +230,8 @@ def retire_progress_cards(
         if not (card.description or "").startswith(OPEN_CARD_HEADINGS):
             continue
         data = percent if percent is not None else card.data
-        client.update_artifact(card.id, ArtifactUpdate(data=data, description=f"**{note}**\n\n{card.description}"))
+        closed = closed_card(card.description or "", "an earlier attempt of this flow run")
+        client.update_artifact(card.id, ArtifactUpdate(data=data, description=f"**{note}**\n\n{closed}"))
         retired += 1
     return retired
 
@@ -248,7 +267,8 @@ def retire_cards_of_ended_runs(client: SyncPrefectClient, flow_run_id: UUID, key
             f"this run ended {run.state.name} before its generate finished; "
             f"flow run {this_run.name} ({flow_run_id}) took over"
         )
-        client.update_artifact(card.id, ArtifactUpdate(description=f"**{note}**\n\n{card.description}"))
+        closed = closed_card(card.description or "", f"its run ended {run.state.name}")
+        client.update_artifact(card.id, ArtifactUpdate(description=f"**{note}**\n\n{closed}"))
         retired += 1
     return retired
 

@@ -429,7 +429,9 @@ def test_a_retried_run_does_not_keep_an_earlier_attempts_card_in_progress(cfg: P
     first, second, retired = state.result()
     cards = {a.id: a for a in _artifacts(state.state_details.flow_run_id, "generate-progress")}
     assert set(cards) == {first, second} and retired == 1
-    assert (cards[first].description or "").startswith(f"**{SUPERSEDED}**\n\n**generate: in progress**")
+    assert (cards[first].description or "").startswith(
+        f"**{SUPERSEDED}**\n\n**generate: stopped: an earlier attempt of this flow run**"
+    )
     assert (cards[second].description or "").startswith("**generate: final (nothing left to send)**")
     assert cards[first].data == pytest.approx(50.0) and cards[second].data == pytest.approx(100.0)
 
@@ -476,9 +478,15 @@ def test_a_new_trigger_retires_the_card_of_a_run_that_ended_before_its_generate_
     assert len(ended_card) == len(parent_card) == len(child_card) == 1
     assert (ended_card[0].description or "").startswith(
         "**this run ended Failed before its generate finished; flow run "
-    ) and f"({parent.state_details.flow_run_id}) took over**\n\n**generate: in progress**" in (
+    ) and f"({parent.state_details.flow_run_id}) took over**\n\n**generate: stopped: its run ended Failed**" in (
         ended_card[0].description or ""
     )
+    # Below the note, nothing reads as if the run were still going (a UI probe: "in progress", "ETA 36s",
+    # "in flight 1", "$0.0103 reserved" under the note).
+    retired = ended_card[0].description or ""
+    assert "in progress" not in retired and "| ETA | none: stopped (its run ended Failed) |" in retired
+    assert "| in flight | none: its attempt ended |" in retired and "nothing reserved" in retired
+    assert "$0.50 reserved" not in retired and "$0.5000 reserved" not in retired
     assert ended_card[0].data == pytest.approx(50.0)
     assert (parent_card[0].description or "").startswith("**generate: in progress**")
     assert (child_card[0].description or "").startswith("**generate: in progress**")
