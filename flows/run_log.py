@@ -6,7 +6,9 @@ gate, whose state message already says it in one line. A `DatagenError` (a gate,
 sample that does not check out) names what to change; its traceback tells the user nothing the CLI would not hide
 too (`--debug` shows it there). So does an `EndpointUnavailableError` (an outage outlasting `outage_abort_s`:
 not a DatagenError, so that no sample is failed for it, but its message says all there is). Any other exception
-keeps its traceback: that one is a bug to report.
+keeps its traceback: that one is a bug to report. A worker's run also ended with Prefect's "Engine execution exited
+with unexpected exception" at ERROR, after the failure was already logged and the final state said it: for these
+errors that record is dropped.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from tasks.common.errors import DatagenError, EndpointUnavailableError
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
 
+ENGINE_EXIT = "Engine execution exited with unexpected exception"
+"""The last record of a deployment run's process that raised (prefect.flow_engine.run_flow's error_logger)."""
+
+
 class TypedErrorsInOneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, DatagenError | EndpointUnavailableError):
+            if record.msg == ENGINE_EXIT:
+                return False
             record.exc_info = None
             record.exc_text = None
         return True
