@@ -82,11 +82,16 @@ def _config_names_schema() -> dict[str, Any]:
     endpoint = [n.removeprefix(f"{_ENDPOINT}.") for n in names if n.startswith(f"{_ENDPOINT}.") and n != _SECRET]
     return {
         "propertyNames": {"enum": [n for n in names if "." not in n]},
-        "patternProperties": {f"^{_ENDPOINT}$": {"propertyNames": {"enum": [n for n in endpoint if "." not in n]}}},
+        "patternProperties": {
+            f"^{_ENDPOINT}$": {"propertyNames": {"enum": [n for n in endpoint if "." not in n]}},
+            **_RUN_DIR_TYPED,
+        },
     }
 
 
-_NO_KEY_IN_OVERRIDES: dict[str, Any] = {"propertyNames": _override_names_schema()}
+_RUN_DIR_TYPED: dict[str, Any] = {"^run_dir$": {"type": "string", "minLength": 1}}
+"""`{"run_dir": 5}` passed the form and failed only in the flow; the run's name and artifact keys need it too."""
+_NO_KEY_IN_OVERRIDES: dict[str, Any] = {"propertyNames": _override_names_schema(), "patternProperties": _RUN_DIR_TYPED}
 _NO_KEY_IN_CONFIG: dict[str, Any] = _config_names_schema()
 
 

@@ -40,7 +40,7 @@ from tasks.common.config import PipelineConfig
 from tasks.common.run_summary import run_summary_markdown
 from tasks.common.schemas import REPORTS_DIR, SCORES_STAGE, STAGES
 from tasks.common.shards import PART_RE, PartRef, atomic_write_text, done_parts, read_marker
-from tasks.estimate.display import estimate_text
+from tasks.estimate.display import NO_LATENCY_RUN, estimate_text
 from tasks.estimate.estimate import check_budget, estimate_run
 from tasks.extract.stage import HiddenStateRunner, extract_part, make_runner, needs_forward_pass
 from tasks.generate.endpoint_wait import wait_for_endpoint
@@ -102,7 +102,7 @@ def estimate_task(cfg: PipelineConfig) -> dict[str, Any]:
     """Cost and wall time of what is left to send, printed before the first paid request; a run whose cheapest
     outcome already crosses endpoint.max_cost_usd is refused here (EstimateOverBudgetError)."""
     estimate = estimate_run(cfg, load_tokenizer(cfg.tokenizer))
-    text = estimate_text(estimate)
+    text = estimate_text(estimate, no_latency=NO_LATENCY_RUN)
     get_run_logger().info("estimate before sending anything:\n%s", text)
     if estimate.prices.disagreement:
         get_run_logger().warning("%s", estimate.prices.disagreement)

@@ -30,7 +30,6 @@ RUNNING = ProgressSnapshot(
     in_flight=50,
     window=64,
     requests_sent=250,
-    retries=30,
     prompt_tokens=40_000,
     completion_tokens=120_000,
     cost_usd=2.0,
@@ -40,6 +39,7 @@ RUNNING = ProgressSnapshot(
     budget_stopped=False,
     final=False,
     failures_by_reason={"timeout": 5, "http_500": 12, "context_length": 1, "length": 2},
+    retries_by_reason={"http_503": 20, "timeout": 10},
 )
 
 
@@ -490,3 +490,13 @@ def test_a_new_trigger_retires_the_card_of_a_run_that_ended_before_its_generate_
     assert ended_card[0].data == pytest.approx(50.0)
     assert (parent_card[0].description or "").startswith("**generate: in progress**")
     assert (child_card[0].description or "").startswith("**generate: in progress**")
+
+
+def test_the_retries_count_is_the_sum_of_retries_by_reason_and_attempts_are_counted_in_words() -> None:
+    """A live card read "10 retries" beside "retries by reason: http_503 12" (one counted the retries of recorded
+    samples, the other those of samples still in flight too), and "pending over 1 attempts"."""
+    live = replace(RUNNING, retries_by_reason={"http_503": 12})
+    assert live.retries == 12 and fields(live)["requests"] == "250 sent, 12 retries"
+    one = replace(RUNNING, pending_usd=0.01, pending_attempts=1)
+    assert "pending over 1 attempt (worst case" in fields(one)["cost"]
+    assert "pending over 2 attempts (" in fields(replace(one, pending_attempts=2))["cost"]

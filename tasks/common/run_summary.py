@@ -46,11 +46,17 @@ def stage_rows(run_dir: Path) -> list[dict[str, Any]]:
 def generate_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
     """Amounts to 1e-10 USD, the ledger's own precision (a float sum showed as 0.020358600000000004)."""
     total = (stats.get("generate") or {}).get("total") or {}
-    return [
-        {"metric": label, "value": round(value, 10) if isinstance(value := total.get(key), float) else value}
-        for label, key in GENERATE_TOTALS
-        if key in total
-    ]
+    return [{"metric": label, "value": _shown(total.get(key))} for label, key in GENERATE_TOTALS if key in total]
+
+
+def _shown(value: Any) -> Any:
+    """A count per reason as `context_length 7, http_400 2` (the artifact showed a Python dict), most first."""
+    if isinstance(value, float):
+        return round(value, 10)
+    if isinstance(value, dict):
+        ranked = sorted(value.items(), key=lambda item: (-item[1], item[0]))
+        return ", ".join(f"{reason} {count}" for reason, count in ranked) or "-"
+    return value
 
 
 def _markdown_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -24,7 +24,12 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def estimate_text(est: RunEstimate, width: int = 160) -> str:
+NO_LATENCY_CLI = "pass --observed RUN_DIR of a finished run"
+NO_LATENCY_RUN = "this run directory holds no answers yet; a later run of it estimates from them"
+"""What the estimate says in a Prefect run, whose form has no --observed (a CLI option)."""
+
+
+def estimate_text(est: RunEstimate, width: int = 160, no_latency: str = NO_LATENCY_CLI) -> str:
     table = Table(title="estimate (nothing sent)")
     table.add_column("metric")
     for d in est.datasets:
@@ -63,7 +68,7 @@ def estimate_text(est: RunEstimate, width: int = 160) -> str:
             f"low {_duration(wall['low'])}, expected {_duration(wall['expected'])}, high {_duration(wall['high'])} "
             f"(mean latency {est.latency_s_mean:.2f} s observed)"
             if est.latency_s_mean is not None
-            else "unknown (no observed latencies: pass --observed RUN_DIR of a finished run)"
+            else f"unknown (no observed latencies: {no_latency})"
             if est.requests
             else "0 s"
         ),

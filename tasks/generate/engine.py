@@ -515,7 +515,6 @@ class _Run:
             in_flight=window.in_flight,
             window=int(window.limit),
             requests_sent=self.client.requests_sent,
-            retries=sum(sum(st.summary.retries_by_reason.values()) for st in self.states),
             prompt_tokens=sum(st.summary.prompt_tokens for st in self.states),
             completion_tokens=sum(st.summary.completion_tokens for st in self.states),
             cost_usd=client.billed_usd + settled_cost,

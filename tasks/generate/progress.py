@@ -25,7 +25,6 @@ class ProgressSnapshot:
     in_flight: int
     window: int
     requests_sent: int
-    retries: int
     prompt_tokens: int
     completion_tokens: int
     cost_usd: float
@@ -54,6 +53,13 @@ class ProgressSnapshot:
     @property
     def finished(self) -> int:
         return self.done + self.failed
+
+    @property
+    def retries(self) -> int:
+        """The sum of `retries_by_reason`, never a count of its own: a live card read "10 retries" beside
+        "http_503 12" when one counted the retries of recorded samples and the other those of samples still in
+        flight too."""
+        return sum(self.retries_by_reason.values())
 
     @property
     def percent(self) -> float:
@@ -200,6 +206,11 @@ def format_duration(seconds: float | None) -> str:
     return f"{secs}s"
 
 
+def plural(n: int, noun: str) -> str:
+    """`1 attempt`, `3 attempts`: a card read "over 1 attempts"."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def format_counts(counts: Mapping[str, int], top: int | None = None) -> str:
     """`http_500 3, length 2`: most frequent first, so a truncated list keeps what matters."""
     ranked = sorted(((n, k) for k, n in counts.items() if n), key=lambda item: (-item[0], item[1]))
@@ -260,7 +271,8 @@ def _cost(s: ProgressSnapshot) -> str:
     """Billed, and pending apart: a pending amount (worst case until settled) is never shown as spent."""
     text = f"{format_usd(s.cost_usd)} this run, {format_usd(s.spent_usd)} run-dir total"
     if s.pending_usd > 0:
-        text += f", {format_usd(s.pending_usd)} pending over {s.pending_attempts:,} attempts (worst case until settled)"
+        attempts = plural(s.pending_attempts, "attempt")
+        text += f", {format_usd(s.pending_usd)} pending over {attempts} (worst case until settled)"
     return text
 
 

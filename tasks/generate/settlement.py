@@ -30,7 +30,7 @@ import aiohttp
 from tasks.common.config import PipelineConfig
 from tasks.generate.health import UPSTREAM_TIMEOUT_STATUS
 from tasks.generate.ledger import NO_USAGE_COST, Attempt, LedgerWriter, SettledBy, SpendLedger
-from tasks.generate.progress import RunEvent, RunEventKind, emit_event, format_usd
+from tasks.generate.progress import RunEvent, RunEventKind, emit_event, format_usd, plural
 
 if TYPE_CHECKING:
     from tasks.generate.client import Budget, EndpointClient
@@ -377,7 +377,7 @@ def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None
         "it, endpoint.account_settlement: exclusive_key settles them from the key's usage"
     )
     return (
-        f"pending: {format_usd(spend.get('pending_usd'))} over {count} attempts in this run directory sent without "
-        "a bill a process could read (timeouts, resets, kills, errors that name a generation), counted at their "
-        f"worst case against endpoint.max_cost_usd beside {format_usd(spend.get('billed_usd'))} billed; {how}."
+        f"pending: {format_usd(spend.get('pending_usd'))} over {plural(count, 'attempt')} in this run directory sent "
+        "without a bill a process could read (timeouts, resets, kills, errors that name a generation), counted at "
+        f"their worst case against endpoint.max_cost_usd beside {format_usd(spend.get('billed_usd'))} billed; {how}."
     )
