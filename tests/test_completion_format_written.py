@@ -140,3 +140,17 @@ def test_config_loads_the_written_format_and_refuses_a_broken_one(
         result = run_main(capsys, "estimate", str(config))
         assert result.returncode == ExitCode.USER, result.stderr
         assert len(result.stderr.splitlines()) == 1 and "completion_format" in result.stderr, result.stderr
+
+
+def test_a_written_format_says_whether_an_answer_without_reasoning_omits_the_block() -> None:
+    """Bielik-11B-v3 with thinking off renders an answer without reasoning as its content alone: a written format
+    must say so (`omit_empty_reasoning`), or it is refused for the empty block it would invent. With the open tag
+    in the generation prompt there is no block to leave out."""
+    tok = F.shared("bielik_11b_v3")
+    written = {**SMOLLM3_THINKING, "name": "bielik"}
+    with pytest.raises(ConfigError, match="omit_empty_reasoning: config False vs template True"):
+        resolve_format(CompletionFormatSpec.model_validate(written), tok)
+    fmt = resolve_format(CompletionFormatSpec.model_validate({**written, "omit_empty_reasoning": True}), tok)
+    assert completion_text(fmt, None, "It is 4.") == "It is 4.<|im_end|>"
+    with pytest.raises(ValueError, match="omit_empty_reasoning with open_in_prompt"):
+        spec(omit_empty_reasoning=True, open_in_prompt=True)

@@ -408,3 +408,18 @@ def test_completion_split_and_retry_helpers() -> None:
     delays = [backoff_delay(attempt, 0.5, 4.0, rng) for attempt in range(1, 10) for _ in range(20)]
     assert all(0.0 <= d <= 4.0 for d in delays)
     assert max(backoff_delay(1, 0.5, 4.0, rng) for _ in range(50)) <= 0.5
+
+
+def test_a_raw_answer_that_leaves_out_an_omittable_block_is_content() -> None:
+    """Over `/generate`, a thinking-off Bielik-11B-v3 answer (`omit_empty_reasoning`) has no think block: text
+    without a close marker that does not open one is the answer, not unfinished reasoning."""
+    from dataclasses import replace
+
+    from tasks.reconstruct.completion_format import PRESETS
+
+    fmt = replace(PRESETS["qwen3_thinking"], name="omitting", omit_empty_reasoning=True)
+    markers = CompletionMarkers.of(fmt)
+    assert split_completion("It is 4.<|im_end|>", markers) == (None, "It is 4.")
+    assert split_completion("<think>\nstill thinking", markers) == ("<think>\nstill thinking", "")
+    assert split_completion("<think>\nr\n</think>\nIt is 4.<|im_end|>", markers) == ("<think>\nr\n", "\nIt is 4.")
+    assert split_completion("still thinking", CompletionMarkers.of(PRESETS["qwen3_thinking"])) == ("still thinking", "")

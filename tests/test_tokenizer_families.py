@@ -30,7 +30,7 @@ from tasks.reconstruct.completion_format import (
     resolve_format,
 )
 from tasks.reconstruct.special_tokens import check_special_tokens, format_table, verify_special_tokens
-from tasks.reconstruct.tokenizer_loading import render_prompt
+from tasks.reconstruct.tokenizer_loading import render_prompt, template_message
 from tests.fixtures import families as F
 
 # (family, chat-template kwargs, preset the template must derive to, preset names it must accept): every family
@@ -277,3 +277,39 @@ def test_a_tool_call_rendered_between_reasoning_and_content_is_not_read_as_the_c
     turn = {"role": "assistant", "content": "It is 6.", "reasoning_content": "3 + 3 = 6.", "tool_calls": [call]}
     rendered = tok.apply_chat_template([{"role": "user", "content": "And 3+3?"}, turn], tokenize=False, **kwargs)
     assert isinstance(rendered, str) and "<|channel>thought\n3 + 3 = 6.\n<channel|><|tool_call>call:add" in rendered
+
+
+# (family, chat-template kwargs): published templates whose generation prompt opens no think block and that render
+# an answer without reasoning as its content alone, and one with reasoning inside a think block.
+OMITTING: list[tuple[str, dict[str, Any]]] = [
+    ("bielik_11b_v3", {}),
+    ("bielik_11b_v3", {"enable_thinking": False}),
+    ("lfm25_8b_a1b", {}),
+]
+
+
+@pytest.mark.parametrize(("family", "kwargs"), OMITTING)
+def test_an_answer_without_reasoning_gets_no_think_block_the_template_never_writes(
+    family: str, kwargs: dict[str, Any]
+) -> None:
+    """Bielik-11B-v3 with thinking off (and LFM2.5) show reasoning in a think block when given, and an answer
+    without it as the content alone: the model writes no block. Laying out an empty `<think>\\n\\n</think>\\n`
+    gave every row of a thinking-off run ids the model never produced. An answer with reasoning keeps the block."""
+    tok = F.shared(family)
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert fmt.has_reasoning and fmt.omit_empty_reasoning
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = render_prompt(tok, user, kwargs)
+    for reasoning in (None, "Two plus two is four."):
+        answer = {"role": "assistant", "content": "It is 4.", **({"reasoning_content": reasoning} if reasoning else {})}
+        finished = tok.apply_chat_template([*user, template_message(answer)], tokenize=False, **kwargs)
+        assert isinstance(finished, str)
+        assert finished.startswith(prompt + completion_text(fmt, reasoning, "It is 4."))
+
+
+def test_a_template_that_writes_an_empty_think_block_keeps_it() -> None:
+    """Qwen3 renders `<think>\\n\\n</think>\\n\\n` before the last answer without reasoning: that block stays."""
+    fmt = resolve_format("auto", F.shared("qwen3"), {})
+    assert fmt is PRESETS["qwen3_thinking"] and not fmt.omit_empty_reasoning
+    assert completion_text(fmt, None, "It is 4.") == "<think>\n\n</think>\n\nIt is 4.<|im_end|>"

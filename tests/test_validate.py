@@ -195,3 +195,19 @@ def test_a_think_tag_is_text_a_model_without_reasoning_tokens_may_write() -> Non
     assert text_issues(smol, None, answer, "stop", ["stop"], qwen_controls) == ["think_marker_in_content:<think>"]
     thinking = PRESETS["deepseek_v31_thinking"]
     assert "think_marker_in_content:◁think▷" in text_issues(thinking, "r", answer, "stop", ["stop"], set())
+
+
+def test_an_answer_without_reasoning_fails_only_where_its_layout_invents_a_block() -> None:
+    """A thinking-off run on a template that writes an answer without reasoning as its content alone (Bielik-11B-v3)
+    stores that answer exactly: it must not fail as hidden reasoning. Reasoning tokens the provider billed still
+    say the model wrote reasoning that is missing; and a format that writes an empty block for it still fails."""
+    from dataclasses import replace
+
+    from tasks.validate.checks import text_issues
+
+    omitting = replace(PRESETS["qwen3_thinking"], name="omitting", omit_empty_reasoning=True)
+    controls = {"<|im_end|>", "<think>", "</think>"}
+    assert text_issues(omitting, None, "It is 4.", "stop", ["stop"], controls) == []
+    assert text_issues(omitting, "", "It is 4.", "stop", ["stop"], controls, 0) == []
+    assert text_issues(omitting, None, "It is 4.", "stop", ["stop"], controls, 120) == ["empty_reasoning"]
+    assert text_issues(PRESETS["qwen3_thinking"], None, "It is 4.", "stop", ["stop"], controls) == ["empty_reasoning"]

@@ -262,14 +262,21 @@ that module imports transformers (seconds), and config loading reports a typo at
 
 
 def format_fields_problem(
-    reasoning_open: str | None, reasoning_close: str | None, open_in_prompt: bool, reasoning_pad: str
+    reasoning_open: str | None,
+    reasoning_close: str | None,
+    open_in_prompt: bool,
+    reasoning_pad: str,
+    omit_empty_reasoning: bool = False,
 ) -> str | None:
     """What makes a completion format's reasoning fields inconsistent, or None: checked where a format is written
-    in the config (at load, without importing transformers) and where any format is built."""
+    in the config (at load, without importing transformers) and where any format is built. An answer can only
+    leave the think block out where the model is the one that opens it."""
     if (reasoning_open is None) != (reasoning_close is None):
         return "reasoning_open and reasoning_close go together"
-    if reasoning_open is None and (open_in_prompt or reasoning_pad):
-        return "open_in_prompt / reasoning_pad set on a format without reasoning"
+    if reasoning_open is None and (open_in_prompt or reasoning_pad or omit_empty_reasoning):
+        return "open_in_prompt / reasoning_pad / omit_empty_reasoning set on a format without reasoning"
+    if omit_empty_reasoning and open_in_prompt:
+        return "omit_empty_reasoning with open_in_prompt: the generation prompt already opened the block"
     return None
 
 
@@ -287,6 +294,11 @@ class CompletionFormatSpec(StrictModel):
     end_of_turn: str = Field(min_length=1, description="The control token that ends the turn, e.g. '<|im_end|>'.")
     reasoning_pad: str = Field(default="", description="Whitespace inside the tags on both sides of the reasoning.")
     content_separator: str = Field(default="", description="Text between the close tag and the content.")
+    omit_empty_reasoning: bool = Field(
+        default=False,
+        description="An answer without reasoning is its content alone, with no empty think block (the template "
+        "renders such an answer so, e.g. Bielik-11B-v3 with thinking off).",
+    )
     control_tokens: tuple[str, ...] = Field(
         default=(),
         description="Control tokens inside the literals when a literal spans several; default: every token of the "
@@ -306,7 +318,11 @@ class CompletionFormatSpec(StrictModel):
     @model_validator(mode="after")
     def _consistent(self) -> CompletionFormatSpec:
         problem = format_fields_problem(
-            self.reasoning_open, self.reasoning_close, self.open_in_prompt, self.reasoning_pad
+            self.reasoning_open,
+            self.reasoning_close,
+            self.open_in_prompt,
+            self.reasoning_pad,
+            self.omit_empty_reasoning,
         )
         if problem:
             raise ValueError(f"completion_format: {problem}")

@@ -333,9 +333,11 @@ def split_completion(
     """(reasoning, content) of a raw completion text.
 
     The generation prompt of a reasoning format opens the reasoning section, so text with no close marker is
-    reasoning that never finished (content ""), not content. With the model's `output_ids`, the end of turn and
-    the close marker are where their control ids are: a model may write either as ordinary tokens (SmolLM2 asked
-    to copy `<|im_end|>`, a thinking model explaining what `</think>` does), which is text it wrote, not a marker.
+    reasoning that never finished (content ""), not content; unless the format omits an empty block and the text
+    does not open one (`omit_empty_reasoning`: the model answered without reasoning). With the model's
+    `output_ids`, the end of turn and the close marker are where their control ids are: a model may write either
+    as ordinary tokens (SmolLM2 asked to copy `<|im_end|>`, a thinking model explaining what `</think>` does),
+    which is text it wrote, not a marker.
     """
     text = _without_end_of_turn(text, output_ids, markers, tokenizer)
     if not markers.reasoning_close:
@@ -344,8 +346,16 @@ def split_completion(
     if at is None:
         at = text.find(markers.reasoning_close)
     if at < 0:
-        return text, ""
+        return (None, text) if _opens_no_block(markers.fmt, text) else (text, "")
     return text[:at], text[at + len(markers.reasoning_close) :]
+
+
+def _opens_no_block(fmt: CompletionFormat | None, text: str) -> bool:
+    """Text without a close marker is content when the format lets an answer leave the block out and the text
+    does not start with the open tag."""
+    if fmt is None or not fmt.omit_empty_reasoning:
+        return False
+    return not text.lstrip().startswith((fmt.reasoning_open or "").strip())
 
 
 def _without_end_of_turn(

@@ -45,7 +45,11 @@ class CompletionFormat:
     with `<think></think>`, and the model writes a newline before the answer). The literals may span several
     control tokens and text (gpt-oss closes its analysis channel with
     `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then names the control tokens
-    inside them, each of which must be exactly one id. `pinned_ids`: ids from the
+    inside them, each of which must be exactly one id. `omit_empty_reasoning`: an answer without reasoning is
+    its content alone, because the template renders it so after a generation prompt that opens no block
+    (Bielik-11B-v3 and LFM2.5 with thinking off write no think block; writing an empty one gave ids the model
+    never produced); where it is False such an answer gets the empty block (Qwen3 renders `<think>\n\n</think>`
+    for it). `pinned_ids`: ids from the
     family's published `tokenizer_config.json`, for every family-specific token the preset relies on (its
     literals, the reasoning tags its generation prompt writes, the tool-call markers validation looks for); a
     tokenizer that disagrees is rejected before anything is sent (Kimi-K2's `<|im_end|>` is 163586; assuming
@@ -62,10 +66,15 @@ class CompletionFormat:
     content_separator: str = ""
     pinned_ids: tuple[tuple[str, int], ...] = ()
     control_tokens: tuple[str, ...] = ()
+    omit_empty_reasoning: bool = False
 
     def __post_init__(self) -> None:
         problem = format_fields_problem(
-            self.reasoning_open, self.reasoning_close, self.open_in_prompt, self.reasoning_pad
+            self.reasoning_open,
+            self.reasoning_close,
+            self.open_in_prompt,
+            self.reasoning_pad,
+            self.omit_empty_reasoning,
         )
         if problem:
             raise ConfigError(f"completion format {self.name!r}: {problem}")
@@ -83,6 +92,11 @@ class CompletionFormat:
     @property
     def has_reasoning(self) -> bool:
         return self.reasoning_close is not None
+
+    def omits_block(self, reasoning: str | None) -> bool:
+        """An answer with this reasoning is laid out as its content alone: it has none, and the template leaves
+        the empty block out (`omit_empty_reasoning`)."""
+        return self.omit_empty_reasoning and not (reasoning or "").strip()
 
     def special_tokens(self) -> tuple[str, ...]:
         """The control-token strings this format relies on (its literals' control tokens, then every other pinned
@@ -236,6 +250,9 @@ def normalized_parts(
 ) -> tuple[str, str]:
     """Reasoning and content as they sit between the format's literal markers.
 
+    An answer laid out without its empty block (`omits_block`) has no separator to remove: whatever its content
+    starts with, the model wrote.
+
     A raw-text endpoint leaves the reasoning-open tag the model emitted at the start of the reasoning; it is part
     of the layout, not of the reasoning, so it is removed here (only where the model emits it: with the tag in
     the generation prompt, a second one is an anomaly that validation reports).
@@ -260,7 +277,7 @@ def normalized_parts(
             reasoning = reasoning.removeprefix(fmt.reasoning_pad)
         if not (truncated and not content):
             reasoning = reasoning.removesuffix(fmt.reasoning_pad)
-    if fmt.content_separator:
+    if fmt.content_separator and not fmt.omits_block(reasoning):
         content = content.removeprefix(fmt.content_separator)
     return reasoning, content
 
@@ -271,12 +288,15 @@ def completion_layout(
     """The completion exactly as the model emitted it.
 
     Reasoning and content are first normalised (`normalized_parts`), so an API that returns boundary newlines
-    or the emitted open tag, or not, gives the same ids. A truncated generation (finish_reason "length") never
+    or the emitted open tag, or not, gives the same ids. An answer without reasoning in a format that omits the
+    empty block is its content alone. A truncated generation (finish_reason "length") never
     emitted its end-of-turn token, and, if it stopped inside the reasoning, never emitted the close tag either:
     neither is invented.
     """
     reasoning, content = normalized_parts(fmt, reasoning, content, truncated)
-    if not fmt.has_reasoning:
+    if fmt.omits_block(reasoning):
+        head = ""
+    elif not fmt.has_reasoning:
         if reasoning.strip():
             raise ValueError(f"format {fmt.name!r} has no reasoning, but the response carries reasoning text")
         head = "" if truncated and not content else fmt.content_separator
@@ -337,6 +357,7 @@ SENTINEL_TOOL_CALL = {
 COMPARED_FIELDS = frozenset(
     {
         "has_reasoning",
+        "omit_empty_reasoning",
         "reasoning_open",
         "open_in_prompt",
         "reasoning_close",
@@ -546,6 +567,13 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
     )
 
 
+def _omits_empty_block(fmt: CompletionFormat, r: _Renders) -> bool:
+    """The template renders an answer without reasoning as its content right after a generation prompt that
+    opens no reasoning: the model, asked for no reasoning, writes no think block. Templates that render an
+    empty block there (Qwen3's `<think>\n\n</think>\n\n`, GLM-4.6's) keep it."""
+    return fmt.has_reasoning and not fmt.open_in_prompt and r.bare.startswith(r.header + SENTINEL_CONTENT)
+
+
 def _from_hidden_reasoning(r: _Renders) -> tuple[CompletionFormat, frozenset[str]]:
     """The template never shows reasoning: read what its tags (if any) show; the padding stays unknown."""
     before = r.turns[0][: r.turns[0].find(SENTINEL_CONTENT)]
@@ -635,16 +663,10 @@ def _derive(
         fmt, unseen = _from_hidden_reasoning(renders)
         seen = COMPARED_FIELDS - unseen
         visible = False
-    controls = literal_controls(fmt, renders.controls)
-    derived = CompletionFormat(
-        "derived",
-        fmt.reasoning_open,
-        fmt.open_in_prompt,
-        fmt.reasoning_close,
-        fmt.end_of_turn,
-        fmt.reasoning_pad,
-        fmt.content_separator,
-        control_tokens=controls,
+    derived = replace(
+        fmt,
+        control_tokens=literal_controls(fmt, renders.controls),
+        omit_empty_reasoning=_omits_empty_block(fmt, renders),
     )
     return derived, seen, visible
 
@@ -673,6 +695,7 @@ def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBas
         spec.reasoning_pad,
         spec.content_separator,
         pinned_ids=tuple(spec.pinned_ids.items()),
+        omit_empty_reasoning=spec.omit_empty_reasoning,
     )
     controls = spec.control_tokens or literal_controls(fmt, set(added_tokens(tokenizer).values()))
     return replace(fmt, control_tokens=controls)

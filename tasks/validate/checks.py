@@ -187,6 +187,16 @@ def tool_call_issues(content: str) -> list[str]:
     return sorted(set(issues))
 
 
+def hidden_reasoning(fmt: CompletionFormat, reasoning: str, billed_reasoning_tokens: int | None) -> bool:
+    """A reasoning format's answer came back without the reasoning the model wrote. Where the layout writes an
+    empty think block for it, that block is made up, so any answer without reasoning counts; where the template
+    writes such an answer as content alone (`omit_empty_reasoning`, e.g. a thinking-off run), it is a real answer,
+    and only reasoning tokens the provider billed say the model wrote reasoning that is missing."""
+    if not fmt.has_reasoning or reasoning.strip():
+        return False
+    return not fmt.omits_block(reasoning) or bool(billed_reasoning_tokens)
+
+
 def text_issues(
     fmt: CompletionFormat,
     reasoning: str | None,
@@ -194,10 +204,11 @@ def text_issues(
     finish_reason: str | None,
     allowed: Sequence[str],
     controls: Collection[str],
+    billed_reasoning_tokens: int | None = None,
 ) -> list[str]:
     reasoning, content = normalized_parts(fmt, reasoning, content)
     issues = []
-    if fmt.has_reasoning and not reasoning.strip():
+    if hidden_reasoning(fmt, reasoning, billed_reasoning_tokens):
         issues.append("empty_reasoning")
     if not content.strip():
         issues.append("empty_content")
@@ -494,7 +505,8 @@ def validate_tables(
         r = by_id[sid]
         reasoning, content, finish = resp["reasoning"][r], resp["content"][r], resp["finish_reason"][r]
         layout = layouts[i]
-        issues = text_issues(fmt, reasoning, content, finish, allowed, control.added.values())
+        billed_reasoning = resp["reasoning_tokens"][r]
+        issues = text_issues(fmt, reasoning, content, finish, allowed, control.added.values(), billed_reasoning)
         if sources[i] == "model":
             written = written_tag_issues(fmt, completions[i], reasoning_lens[i], layout, control)
             issues = [issue for issue in issues if issue not in written]
@@ -537,7 +549,7 @@ def validate_tables(
         section = completions[i][: reasoning_lens[i]]
         ours_reasoning = int(len(section) - np.isin(section, control.format_ids).sum())
         delta, frac, flagged = billing_delta(resp["completion_tokens"][r], ours_len, tol)
-        r_delta, _, r_flagged = billing_delta(resp["reasoning_tokens"][r], ours_reasoning, tol)
+        r_delta, _, r_flagged = billing_delta(billed_reasoning, ours_reasoning, tol)
         rows.append(
             {
                 "sample_id": sid,
