@@ -313,3 +313,50 @@ def test_a_template_that_writes_an_empty_think_block_keeps_it() -> None:
     fmt = resolve_format("auto", F.shared("qwen3"), {})
     assert fmt is PRESETS["qwen3_thinking"] and not fmt.omit_empty_reasoning
     assert completion_text(fmt, None, "It is 4.") == "<think>\n\n</think>\n\nIt is 4.<|im_end|>"
+
+
+# (family, chat-template kwargs, preset derived): llama.cpp's DeepSeek-V3.x templates over the V3.x table.
+LLAMACPP_DEEPSEEK: list[tuple[str, dict[str, Any], str]] = [
+    ("deepseek_v31_llamacpp", {"thinking": True}, "deepseek_v31_thinking"),
+    ("deepseek_v32_llamacpp", {}, "deepseek_v31_instruct"),
+    ("deepseek_v32_llamacpp", {"thinking": False}, "deepseek_v31_instruct"),
+]
+
+
+@pytest.mark.parametrize(("family", "kwargs", "preset"), LLAMACPP_DEEPSEEK)
+def test_llamacpp_deepseek_templates_derive_the_deepseek_presets(
+    family: str, kwargs: dict[str, Any], preset: str
+) -> None:
+    """V3.1 with thinking on opens `<think>` in the prompt and renders history `<think></think>content`; V3.2 with
+    thinking off ends its prompt with the empty block `<think></think>` and renders history `</think>content`.
+    Both were refused though their presets were accepted; the prompt says where the block opens or that it is
+    already closed."""
+    tok = F.shared(family)
+    fmt = resolve_format("auto", tok, kwargs)
+    assert fmt is PRESETS[preset]
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = render_prompt(tok, user, kwargs)
+    if fmt.has_reasoning:
+        assert prompt.endswith("<｜Assistant｜><think>")
+        assert completion_text(fmt, "Two and two.", "It is 4.") == "Two and two.</think>It is 4.<｜end▁of▁sentence｜>"
+    else:
+        assert prompt.endswith("<｜Assistant｜><think></think>")
+        assert completion_text(fmt, None, "It is 4.") == "It is 4.<｜end▁of▁sentence｜>"
+
+
+def test_a_prompt_that_closes_the_block_refuses_answers_with_reasoning_per_row() -> None:
+    """GLM-4.7-Flash with thinking off ends its prompt `<|assistant|></think>` yet renders a turn's reasoning in
+    `<think>...</think>`: the model writes no reasoning section, and an answer that carries reasoning cannot be
+    laid out after that prompt, so the row is refused rather than stored with tags the prompt already closed."""
+    kwargs = {"enable_thinking": False}
+    tok = F.shared("glm_47_flash")
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert not fmt.has_reasoning and fmt.end_of_turn == "<|user|>"
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = render_prompt(tok, user, kwargs)
+    finished = tok.apply_chat_template([*user, {"role": "assistant", "content": "It is 4."}], tokenize=False, **kwargs)
+    assert isinstance(finished, str) and prompt.endswith("</think>")
+    assert finished.startswith(prompt + completion_text(fmt, None, "It is 4.").removesuffix(fmt.end_of_turn))
+    with pytest.raises(ValueError, match="has no reasoning, but the response carries reasoning text"):
+        completion_text(fmt, "Two and two.", "It is 4.")

@@ -574,6 +574,31 @@ def _omits_empty_block(fmt: CompletionFormat, r: _Renders) -> bool:
     return fmt.has_reasoning and not fmt.open_in_prompt and r.bare.startswith(r.header + SENTINEL_CONTENT)
 
 
+def _closed_in_prompt(r: _Renders) -> CompletionFormat | None:
+    """A generation prompt that ends with a close tag already wrote an empty think block (DeepSeek-V3.2 with
+    thinking off ends `<think></think>`, GLM-4.7-Flash `</think>`): the model writes no reasoning section, whatever
+    the template shows for turns that carry reasoning. What it writes before the content is read off the render of
+    an answer without reasoning (`_unwritten`); a render that shows no close tag before the content shows no
+    separator either (R1-Distill's history drops the block), and is left to the other readings."""
+    stem = r.header.rstrip()
+    close = next((c for _, c in KNOWN_REASONING_TAGS if stem.endswith(c)), None)
+    if close is None or close not in r.bare[: r.bare.find(SENTINEL_CONTENT)]:
+        return None
+    return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[r.header.rfind(close) :], close))
+
+
+def _open_closed_at_once(r: _Renders, emitted: str) -> CompletionFormat | None:
+    """A generation prompt that ends with an open tag, in a template whose answer closes it at once
+    (DeepSeek-V3.1 as llama.cpp ships it, thinking on: `<think>` in the prompt, `<think></think>content` in
+    history): the reasoning opens in the prompt, and what follows the close is the separator."""
+    stem = r.header.rstrip()
+    for opening, closing in KNOWN_REASONING_TAGS:
+        if stem.endswith(opening) and emitted.lstrip().startswith(closing):
+            rest = emitted.lstrip()[len(closing) :]
+            return CompletionFormat("derived", opening, True, closing, r.end_of_turn, content_separator=rest)
+    return None
+
+
 def _from_hidden_reasoning(r: _Renders) -> tuple[CompletionFormat, frozenset[str]]:
     """The template never shows reasoning: read what its tags (if any) show; the padding stays unknown."""
     before = r.turns[0][: r.turns[0].find(SENTINEL_CONTENT)]
@@ -588,6 +613,9 @@ def _from_hidden_reasoning(r: _Renders) -> tuple[CompletionFormat, frozenset[str
                 rest = stripped[len(opening) :].lstrip()[len(closing) :]
                 fmt = CompletionFormat("derived", opening, False, closing, r.end_of_turn, content_separator=rest)
                 return fmt, unseen
+        opened = _open_closed_at_once(r, emitted)
+        if opened is not None:
+            return opened, unseen
         raise ConfigError(f"chat template writes {emitted!r} before the content and shows no reasoning")
     for opening, closing in KNOWN_REASONING_TAGS:
         stem = r.header.rstrip()
@@ -655,7 +683,12 @@ def _derive(
     shown = [
         t for t in renders.turns if SENTINEL_REASONING in t and t.find(SENTINEL_REASONING) < t.find(SENTINEL_CONTENT)
     ]
-    if shown:
+    closed = _closed_in_prompt(renders)
+    if closed is not None:
+        fmt = closed
+        seen = COMPARED_FIELDS if shown else COMPARED_FIELDS - {"reasoning_pad"}
+        visible = bool(shown)
+    elif shown:
         fmt = _from_visible_reasoning(shown[0], renders)
         seen = COMPARED_FIELDS
         visible = True
