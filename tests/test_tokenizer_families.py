@@ -360,3 +360,17 @@ def test_a_prompt_that_closes_the_block_refuses_answers_with_reasoning_per_row()
     assert finished.startswith(prompt + completion_text(fmt, None, "It is 4.").removesuffix(fmt.end_of_turn))
     with pytest.raises(ValueError, match="has no reasoning, but the response carries reasoning text"):
         completion_text(fmt, "Two and two.", "It is 4.")
+
+
+def test_a_template_that_ends_a_finished_conversation_with_eos_is_derived() -> None:
+    """Phi-3.5 writes `<|endoftext|>` after the last turn only when no generation prompt follows, so the prompt
+    `<|assistant|>\\n` does not extend the bare user turn: it continues from before that token. Refused before."""
+    tok = F.shared("phi35_mini_instruct")
+    fmt = resolve_format("auto", tok, {})
+    verify_special_tokens(tok, fmt)
+    assert not fmt.has_reasoning and fmt.end_of_turn == "<|end|>"
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = render_prompt(tok, user, {})
+    finished = tok.apply_chat_template([*user, {"role": "assistant", "content": "It is 4."}], tokenize=False)
+    assert isinstance(finished, str) and finished.endswith("<|endoftext|>")
+    assert finished.startswith(prompt + completion_text(fmt, None, "It is 4."))

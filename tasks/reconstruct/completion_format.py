@@ -446,10 +446,9 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     after the last plain assistant turn, i.e. inside an agentic tool-call sequence.
     """
     user = [{"role": "user", "content": SENTINEL_USER}]
-    base = _render(tokenizer, user, False, template_kwargs)
+    controls = set(added_tokens(tokenizer).values())
     gen = _render(tokenizer, user, True, template_kwargs)
-    if not gen.startswith(base):
-        raise ConfigError(f"chat template: the generation prompt does not extend the user turn ({gen!r})")
+    base = _continued_from(_render(tokenizer, user, False, template_kwargs), gen, controls)
     turns = []
     for with_tools in (False, True):
         assistant: dict[str, Any] = {"role": "assistant", "content": SENTINEL_CONTENT}
@@ -473,7 +472,6 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
         raise ConfigError(f"chat template does not render assistant content; rendered turn: {plain!r}")
     if any(t.count(SENTINEL_REASONING) > 1 for t in turns):
         raise ConfigError(f"chat template renders the reasoning more than once: {turns!r}")
-    controls = set(added_tokens(tokenizer).values())
     after = plain[at + len(SENTINEL_CONTENT) :]
     end_of_turn = _longest_prefix(after, controls)
     if end_of_turn is None and not after.strip():
@@ -483,6 +481,18 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     bare = _render(tokenizer, [*user, {"role": "assistant", "content": SENTINEL_CONTENT}], False, template_kwargs)
     bare = bare[len(base) :] if bare.startswith(base) else ""
     return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls, bare)
+
+
+def _continued_from(base: str, gen: str, controls: set[str]) -> str:
+    """The sentinel user turn as the generation prompt continues it. A template may end a finished conversation
+    with a control token it writes only there (Phi-3.5 appends `<|endoftext|>` without a generation prompt): the
+    generation prompt, and an assistant turn after the user turn, continue from before that token."""
+    if gen.startswith(base):
+        return base
+    for token in sorted(controls, key=len, reverse=True):
+        if token and base.endswith(token) and gen.startswith(base[: -len(token)]):
+            return base[: -len(token)]
+    raise ConfigError(f"chat template: the generation prompt does not extend the user turn ({gen!r})")
 
 
 def _end_of_turn_before_next_user(
