@@ -374,3 +374,14 @@ def test_a_template_that_ends_a_finished_conversation_with_eos_is_derived() -> N
     finished = tok.apply_chat_template([*user, {"role": "assistant", "content": "It is 4."}], tokenize=False)
     assert isinstance(finished, str) and finished.endswith("<|endoftext|>")
     assert finished.startswith(prompt + completion_text(fmt, None, "It is 4."))
+
+
+def test_a_template_that_needs_a_tool_list_says_so_and_where_to_give_it() -> None:
+    """Hermes-3's tool_use template loops over `tools` unguarded; the bare "'NoneType' object is not iterable"
+    named neither the variable nor the config key. Given in the chat-template kwargs, it renders."""
+    tok = F.shared("hermes3_tool_use")
+    with pytest.raises(ConfigError, match=r"needs `tools`: set it in tokenizer\.chat_template_kwargs") as refused:
+        resolve_format("auto", tok, {})
+    assert "\n" not in str(refused.value)
+    tool = {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}
+    assert resolve_format("auto", tok, {"tools": [tool]}).end_of_turn == "<|im_end|>"

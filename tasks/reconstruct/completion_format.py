@@ -379,10 +379,28 @@ def _render(
             messages, tokenize=False, add_generation_prompt=generation, **dict(template_kwargs)
         )
     except Exception as exc:
-        raise ConfigError(f"cannot render the tokenizer's chat template with sentinel messages: {exc}") from exc
+        raise ConfigError(_render_failure(tokenizer, exc)) from exc
     if not isinstance(text, str):
         raise ConfigError(f"chat template rendered {type(text).__name__}, expected str")
     return text
+
+
+TOOL_VARIABLES = ("tools", "functions", "documents")
+_UNDEFINED = re.compile(r"'(\w+)' is undefined")
+
+
+def _render_failure(tokenizer: PreTrainedTokenizerBase, exc: Exception) -> str:
+    """One line naming the variable the template most likely lacks. Tool-use templates read their tool list
+    unguarded (Hermes-2-Pro/3 and Command-R+ loop over `tools`, None unless given: "'NoneType' object is not
+    iterable"; firefunction-v2: "'functions' is undefined"), and the raw error names neither the variable nor
+    where to give it."""
+    message = " ".join(str(exc).split())
+    undefined = _UNDEFINED.search(message)
+    source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    looped = re.search(rf"\bfor \w+ in ({'|'.join(TOOL_VARIABLES)})\b", source)
+    name = undefined.group(1) if undefined else looped.group(1) if looped and "NoneType" in message else None
+    hint = f"; the template needs `{name}`: set it in tokenizer.chat_template_kwargs" if name else ""
+    return f"cannot render the tokenizer's chat template with sentinel messages: {message}{hint}"
 
 
 def _longest_prefix(text: str, candidates: set[str]) -> str | None:
