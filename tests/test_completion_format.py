@@ -370,3 +370,25 @@ def test_an_open_tag_that_starts_with_a_newline_is_found_in_raw_text() -> None:
     glm = CompletionFormat("derived", "\n<think>", False, "</think>", "<|user|>", content_separator="\n")
     assert completion_text(glm, "\n<think>foo", "bar") == "\n<think>foo</think>\nbar<|user|>"
     assert completion_text(glm, "foo", "bar") == "\n<think>foo</think>\nbar<|user|>"
+
+
+def test_a_format_without_the_newer_field_describes_itself_as_before() -> None:
+    """The description is part of every tokens part's recipe: a field added later must not appear in it at its
+    default, or an upgrade rebuilds every tokens part of every run and re-extracts their hidden states."""
+    from dataclasses import replace
+
+    before = {
+        "name",
+        "reasoning_open",
+        "reasoning_close",
+        "reasoning_pad",
+        "open_in_prompt",
+        "end_of_turn",
+        "content_separator",
+        "pinned_ids",
+        "control_tokens",
+    }
+    for fmt in PRESETS.values():
+        assert set(fmt.describe()) == before, fmt.name
+    bare = replace(PRESETS["qwen3_thinking"], omit_empty_reasoning=True)
+    assert bare.describe()["omit_empty_reasoning"] is True

@@ -113,8 +113,13 @@ class CompletionFormat:
         return dict(self.pinned_ids)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-safe field view, for provenance and error messages."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """JSON-safe field view, for provenance, error messages and the tokens recipe. `omit_empty_reasoning` is
+        left out while False, its default: the recipe of every format that existed before the field stays what
+        it was, so an upgrade does not rebuild every tokens part and re-extract their hidden states."""
+        view = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.omit_empty_reasoning:
+            del view["omit_empty_reasoning"]
+        return view
 
 
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
