@@ -380,6 +380,7 @@ def test_a_generation_record_of_a_request_cancelled_before_its_first_token_settl
         assert sim.billing()["total_usd"] == 0
 
 
+@pytest.mark.slow  # waits for the key's usage to stay stable: make test-long
 def test_an_id_less_error_body_is_pending_until_the_account_settles_it(tmp_path: Path, tokenizer_dir: Path) -> None:
     """OpenRouter answers 200 only once the model started, so a 200 whose body is an error may be billed even
     when nothing names its generation (a proxy that drops `X-Generation-Id`): pending at worst case, not $0 (a
@@ -477,6 +478,7 @@ def test_a_cost_written_as_a_string_is_read_and_one_no_bill_can_hold_is_settled_
     assert settled == ({} if encoding == "string" else {"generation": PROMPTS})
 
 
+@pytest.mark.slow  # two runs that wait out record lookups (25 s alone): make test-long
 def test_an_error_naming_a_generation_that_was_never_recorded_settles_at_zero_once_old(
     tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -116,6 +116,7 @@ def test_a_rerun_with_nothing_left_to_send_settles_what_a_killed_run_left_pendin
     assert summary["settlement"]["by_source"]["account"]["attempts"] == 2 and summary["requests_sent"] == 0
 
 
+@pytest.mark.slow  # waits out the account wait: make test-long
 def test_a_key_whose_usage_is_behind_the_ledger_says_why_the_run_waits(
     tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

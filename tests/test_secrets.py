@@ -196,6 +196,7 @@ def test_cli_generate_keeps_the_key_out_of_output_and_files(
     assert leaks(done.stdout + done.stderr, "CLI output") + tree_leaks(run_dir) == []
 
 
+@pytest.mark.slow  # two CLI processes; test_cli_generate_keeps_the_key_out_of_output_and_files stays in make test: make test-long
 def test_a_refused_key_leaks_neither_from_the_cli_nor_from_the_exception(
     tmp_path: Path, tokenizer_dir: Path, echoing: SimulatorServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -218,6 +219,7 @@ def test_cli_config_error_does_not_echo_the_key(tmp_path: Path, tokenizer_dir: P
     assert leaks(refused.stdout + refused.stderr, "CLI output") == []
 
 
+@pytest.mark.slow  # a CLI process and a run against a refusing gateway: make test-long
 def test_a_fatal_answer_quoting_the_key_is_redacted(
     tmp_path: Path, tokenizer_dir: Path, refusing: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -40,6 +40,7 @@ def test_answers_are_the_models_own_greedy_tokens(responder: ModelResponder) -> 
     assert responder.sample_for_messages(MESSAGES) == sample  # deterministic per (prompt, seed)
 
 
+@pytest.mark.slow  # decodes with the tiny model several times: make test-long
 def test_sampling_is_seeded(tiny_model_dir: Path) -> None:
     sampled = ModelResponder(tiny_model_dir, SimConfig(reasoning_words=(6, 6), content_words=(6, 6)), temperature=1.0)
     first = sampled.sample_for_messages(MESSAGES, seed=1)
