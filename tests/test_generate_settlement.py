@@ -137,3 +137,76 @@ def test_a_key_whose_usage_is_behind_the_ledger_says_why_the_run_waits(
     assert first.returncode == 0 and second.returncode == 0, second.stderr
     assert "key's account at" in second.stderr and "waiting up to 1 s (endpoint.account_settle_wait_s)" in second.stderr
     assert "did not settle within endpoint.account_settle_wait_s=1 s (behind the answers known billed)" in second.stderr
+
+
+@pytest.mark.parametrize("account_settlement", ["exclusive_key", "off"])
+def test_requests_a_dead_endpoint_cut_are_settled_at_zero_once_their_generation_is_over(
+    tmp_path: Path, tokenizer_dir: Path, account_settlement: str
+) -> None:
+    """An endpoint killed with 1,500 requests in flight billed none of them, yet they stayed pending at worst case
+    forever ($7.75 counted against a $0.68 bill) and every later run stopped at its cap: the 606 with a generation
+    id waited for records the dead server never wrote, and held the key's account window back. Long enough after
+    they were sent (request_timeout_s + 30 s), an endpoint known to keep records (a paid answer's record is read
+    back) with no record of them did not bill them (`no_record`, $0); with an exclusive key, the account then
+    settles those without an id too."""
+    import time
+
+    import httpx
+
+    from tasks.generate.engine import generate_parts
+    from tests.test_generate_failures import MARKERS, make_cfg
+    from tests.test_spend_ledger import acct, segment, sent
+
+    long_ago = time.time() - 200.0
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
+        body = {"model": "m", "messages": [{"role": "user", "content": "the answer before the kill"}]}
+        paid = httpx.post(f"{sim.base_url}/v1/chat/completions", json=body, timeout=30).json()
+        segment(
+            tmp_path,
+            "001",
+            [
+                acct("start", 0.0, long_ago - 1.0),
+                sent("paid", 0.05, t=long_ago),
+                {"k": "b", "a": "paid", "o": "answered", "c": paid["usage"]["cost"], "g": paid["id"], "r": None},
+                sent("cut", 0.05, t=long_ago + 1.0),
+                {"k": "g", "a": "cut", "g": "gen-the-dead-server-never-wrote"},
+                sent("queued", 0.05, t=long_ago + 1.0),
+            ],
+        )
+        cfg = make_cfg(
+            tmp_path,
+            sim.base_url,
+            tokenizer_dir,
+            "chat",
+            request_timeout_s=60.0,
+            account_settlement=account_settlement,
+            account_settle_stable_s=0.1,
+        )
+        generate_parts(cfg, [], MARKERS)
+        provider = sim.billing()["total_usd"]
+    ledger = SpendLedger.load(tmp_path)
+    assert ledger.attempts["cut"].settled_by == "no_record" and ledger.attempts["cut"].billed_usd == 0.0
+    totals = ledger.totals()
+    if account_settlement == "exclusive_key":
+        assert ledger.attempts["queued"].settled_by == "account"
+        assert totals.pending_attempts == 0 and totals.counted_usd == pytest.approx(provider, abs=1e-12)
+    else:  # without an id and without the key's account, nothing says what it cost
+        assert ledger.attempts["queued"].state == "pending" and totals.billed_usd == pytest.approx(provider)
+
+
+def test_a_cut_request_is_not_settled_at_zero_where_records_are_not_known_to_be_kept(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """An endpoint that keeps no generation records 404s every id: a missing record proves nothing there, so
+    without a paid answer's record read back a cut request stays pending, whatever its age."""
+    import time
+
+    from tasks.generate.engine import generate_parts
+    from tests.test_generate_failures import MARKERS, make_cfg
+    from tests.test_spend_ledger import segment, sent
+
+    long_ago = time.time() - 200.0
+    segment(tmp_path, "001", [sent("cut", 0.05, t=long_ago), {"k": "g", "a": "cut", "g": "gen-unknown"}])
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
+        generate_parts(make_cfg(tmp_path, sim.base_url, tokenizer_dir, "chat", request_timeout_s=60.0), [], MARKERS)
+    assert SpendLedger.load(tmp_path).attempts["cut"].state == "pending"

@@ -202,3 +202,38 @@ def test_an_error_the_provider_ended_long_ago_is_settled_by_its_record_or_its_ab
 
     attempt = Attempt("s", "d", 0, 1.0, sent_at=1000.0, outcome="pending", generation_id="g", reason=reason)
     assert ended_long_ago(attempt, 1000.0 + age_s) is ended
+
+
+def test_a_window_held_for_a_cut_stream_settles_once_a_reading_follows_the_end_of_its_generation(
+    tmp_path: Path,
+) -> None:
+    """1,499 requests a killed endpoint never billed stayed pending at worst case forever with exclusive_key: a
+    window holding one with a generation id waited for a record the dead server never wrote. Once a stable
+    reading follows the end of its generation (sent + request_timeout_s + ABSENT_RECORD_GRACE_S), the window
+    widened to that reading settles it, and a bill written when the model finished (after the window's own
+    closing reading) is in that wider window: 0.5 here."""
+    segment(
+        tmp_path,
+        "001",
+        [
+            acct("start", 0.0, 1.0),
+            sent("a:0", 1.0, t=2.0),
+            {"k": "b", "a": "a:0", "o": "answered", "c": 1.0, "g": "g0", "r": None},
+            sent("a:1", 1.0, t=3.0),
+            {"k": "b", "a": "a:1", "o": "pending", "c": None, "g": "g1", "r": "connection"},
+            sent("a:2", 1.0, t=3.5),
+            {"k": "b", "a": "a:2", "o": "pending", "c": None, "g": None, "r": "connection"},
+            acct("end", 1.0, 4.0),
+            acct("start", 1.5, 50.0),
+            sent("b:0", 1.0, t=51.0),
+            {"k": "b", "a": "b:0", "o": "answered", "c": 0.25, "g": "g2", "r": None},
+            acct("end", 1.75, 60.0),
+        ],
+    )
+    ledger = SpendLedger.load(tmp_path)
+    waiting, problems = account_settlements(ledger, records_settle_ids=True, request_timeout_s=100.0)
+    assert waiting == [] and "1 of 2 pending attempts" in problems[0] and "request_timeout_s" in problems[0]
+    segment(tmp_path, "002", [acct("start", 1.75, 200.0)])
+    ledger = SpendLedger.load(tmp_path)
+    settled, problems = account_settlements(ledger, records_settle_ids=True, request_timeout_s=100.0)
+    assert problems == [] and dict(settled) == pytest.approx({"a:1": 0.25, "a:2": 0.25})

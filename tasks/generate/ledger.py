@@ -20,7 +20,7 @@ Records (compact keys, JSON):
   {"k": "s", "a": uid, "id": sample_id, "d": dataset, "p": part, "w": worst_usd, "t": wall_time}   sent
   {"k": "g", "a": uid, "g": generation_id}                      the id, as soon as it is known (first chunk)
   {"k": "b", "a": uid, "o": outcome, "c": cost_usd | null, "g": generation_id | null, "r": reason | null}  ended
-  {"k": "r", "a": uid, "c": cost_usd, "src": "generation" | "account"}    a pending attempt settled
+  {"k": "r", "a": uid, "c": cost_usd, "src": SettledBy}         a pending attempt settled
   {"k": "acct", "at": "start" | "end", "usage": usd, "limit_remaining": usd | null, "t": wall_time,
    "host": name, "stable": bool}                                 the key's usage (GET /api/v1/key)
   {"k": "f", "id": sample_id, "r": reason, "fp": settings_fingerprint}   deterministic failure of a sample
@@ -43,7 +43,10 @@ LEDGER_DIR = "spend"
 
 AttemptState = Literal["unsent", "answered", "pending", "settled"]
 Outcome = Literal["answered", "unsent", "pending"]
-SettledBy = Literal["generation", "account", "configured_prices"]
+SettledBy = Literal["generation", "account", "configured_prices", "no_record"]
+"""`no_record`: a request cut mid-generation (a kill, a reset), with a generation id, that an endpoint known to keep
+records still has no record of once the generation would have ended (`settlement.generation_over`): never billed,
+$0."""
 NO_USAGE_COST = "no_usage_cost"
 """The pending reason of an answer that carried no usage.cost, until its generation record settles it."""
 

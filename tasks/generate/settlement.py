@@ -42,6 +42,9 @@ LOOKUP_BEFORE_RUN_S = (1.0,)
 LOOKUP_AFTER_RUN_S = (0.5, 1.0, 2.0, 4.0)
 ABSENT_RECORD_GRACE_S = 30.0
 """How old an error-status attempt must be before a missing generation record settles it at $0."""
+NO_RECORD = -1.0
+"""What a lookup returns, for a cut attempt whose generation is over, when the provider has no record of it: no
+cost can be negative, so it tells an absent record (settled at $0, `no_record`) from a record of $0."""
 ACCOUNT_POLL_S = 0.5
 # Account usage is a float the provider rounds: differences this small (absolute, or relative to what is known
 # billed in the window) are rounding, not another user of the key.
@@ -87,16 +90,18 @@ class SettlementReport:
 
 
 def account_settlements(
-    ledger: SpendLedger, records_settle_ids: bool = False
+    ledger: SpendLedger, records_settle_ids: bool = False, request_timeout_s: float = 0.0
 ) -> tuple[list[tuple[str, float]], list[str]]:
-    """(uid, cost) for every pending attempt that a pair of consecutive stable account readings settles, and one
-    line per window that cannot be settled. Pure: reads the ledger view only.
+    """(uid, cost) for every pending attempt that a pair of stable account readings settles, and one line per
+    window that cannot be settled. Pure: reads the ledger view only.
 
-    With `records_settle_ids` (generation records are looked up), a window holding a pending attempt with a
-    generation id is left to those records: a provider that cannot cancel a cut stream bills it when the model
-    finishes, after the key's usage looked stable, so the window read $0 for it (7 cut streams settled at $0
-    against a $0.81 bill, and the cap was crossed). Once its records settle those attempts, the window settles
-    what remains."""
+    With `records_settle_ids` (generation records are looked up), a pending attempt with a generation id may be a
+    cut stream that a provider unable to cancel it bills when the model finishes, after the key's usage looked
+    stable: a window closed before then read $0 for it (7 cut streams settled at $0 against a $0.81 bill, and the
+    cap was crossed). So its window is widened to the first stable reading taken once that generation is over
+    (`generation_over`): the key's usage there holds its bill, if any. Until such a reading exists the window
+    waits (for its records, or for a later run's reading); held back for good, 1,499 requests a dead endpoint
+    never billed stayed at worst case forever and stopped every later run at its cap."""
     snaps = ledger.stable_accounts()
     if len(snaps) < 2:
         return [], []
@@ -110,34 +115,75 @@ def account_settlements(
             windows.setdefault(i, []).append((uid, attempt))
     out: list[tuple[str, float]] = []
     problems: list[str] = []
-    for i, members in sorted(windows.items()):
+    for first, last, members in _window_groups(windows, times, records_settle_ids, request_timeout_s):
         pending = [(uid, a) for uid, a in members if a.state == "pending"]
-        if not pending:
+        if last is None:
+            problems.append(_awaiting_records(pending, request_timeout_s))
             continue
-        awaiting_records = sum(1 for _, a in pending if a.generation_id) if records_settle_ids else 0
-        if awaiting_records:
-            problems.append(
-                f"{awaiting_records} of {len(pending)} pending attempts in an account window have a generation id "
-                "whose record is not in yet (a cut stream may be billed when the model finishes): their records "
-                "settle them, then the window the rest"
-            )
-            continue
-        known = sum(a.billed_usd for _, a in members)
-        charged = snaps[i].usage_usd - snaps[i - 1].usage_usd
-        remainder = charged - known
-        worst = sum(a.worst_usd for _, a in pending)
-        tolerance = ACCOUNT_TOLERANCE_USD + ACCOUNT_TOLERANCE_FRAC * known
-        if remainder < -tolerance or remainder > worst + tolerance:
-            problems.append(
-                f"the key was charged {format_usd(charged)} while known answers cost {format_usd(known)} and "
-                f"{len(pending)} pending attempts at most {format_usd(worst)}: something else used the key, so "
-                "nothing was settled from its account there"
-            )
-            continue
-        remainder = min(max(remainder, 0.0), worst)
-        for uid, attempt in pending:
-            out.append((uid, remainder * attempt.worst_usd / worst if worst > 0 else 0.0))
+        settled, problem = _settle_window(snaps[first - 1].usage_usd, snaps[last].usage_usd, members, pending)
+        out.extend(settled)
+        if problem:
+            problems.append(problem)
     return out, problems
+
+
+def _window_groups(
+    windows: dict[int, list[tuple[str, Attempt]]], times: list[float], records_settle_ids: bool, timeout_s: float
+) -> list[tuple[int, int | None, list[tuple[str, Attempt]]]]:
+    """(first window, last window or None while no stable reading closes it, members) of every run of consecutive
+    account windows holding pending attempts: a window is merged into the next while a pending attempt of it with
+    a generation id (`records_settle_ids`) was still generating at its closing reading."""
+    groups: list[tuple[int, int | None, list[tuple[str, Attempt]]]] = []
+    first, due = 0, 0.0
+    members: list[tuple[str, Attempt]] = []
+    for i in range(1, len(times)):
+        if not members:
+            first = i
+        members = members + windows.get(i, [])
+        pending = [a for _, a in members if a.state == "pending"]
+        if not pending:
+            members = []
+            continue
+        if records_settle_ids:
+            due = max([due, *(_generation_end(a, timeout_s) for a in pending if a.generation_id)])
+        if times[i] >= due:
+            groups.append((first, i, members))
+            members, due = [], 0.0
+    if members:
+        groups.append((first, None, members))
+    return groups
+
+
+def _settle_window(
+    usage_before: float, usage_after: float, members: list[tuple[str, Attempt]], pending: list[tuple[str, Attempt]]
+) -> tuple[list[tuple[str, float]], str | None]:
+    """What the key was charged between two readings minus what its attempts are known billed, apportioned over
+    its pending attempts by worst case; nothing, and why, when the key cannot have been this directory's alone."""
+    known = sum(a.billed_usd for _, a in members)
+    charged = usage_after - usage_before
+    remainder = charged - known
+    worst = sum(a.worst_usd for _, a in pending)
+    tolerance = ACCOUNT_TOLERANCE_USD + ACCOUNT_TOLERANCE_FRAC * known
+    if remainder < -tolerance or remainder > worst + tolerance:
+        return [], (
+            f"the key was charged {format_usd(charged)} while known answers cost {format_usd(known)} and "
+            f"{len(pending)} pending attempts at most {format_usd(worst)}: something else used the key, so "
+            "nothing was settled from its account there"
+        )
+    remainder = min(max(remainder, 0.0), worst)
+    return [(uid, remainder * a.worst_usd / worst if worst > 0 else 0.0) for uid, a in pending], None
+
+
+def _awaiting_records(pending: list[tuple[str, Attempt]], timeout_s: float) -> str:
+    with_ids = [a for _, a in pending if a.generation_id]
+    due = max(_generation_end(a, timeout_s) for a in with_ids)
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(due))
+    return (
+        f"{len(with_ids)} of {len(pending)} pending attempts in an account window have a generation id whose "
+        "record is not in yet (a cut stream may be billed when the model finishes): their records settle them, or "
+        f"a run started after {when} (endpoint.request_timeout_s after they were sent, plus "
+        f"{ABSENT_RECORD_GRACE_S:g} s) settles the window from the key's usage"
+    )
 
 
 def billed_since(ledger: SpendLedger, t: float) -> float:
@@ -160,6 +206,7 @@ class Settler:
         self.settled_attempts = 0
         self._account_started = False
         self._not_found: set[str] = set()
+        self._records: bool | None = None
 
     def count_from_here(self) -> None:
         """The settled_* counters start over: what was settled before the run's budget is in its prior totals."""
@@ -224,14 +271,20 @@ class Settler:
             return
         gate = asyncio.Semaphore(LOOKUP_CONCURRENCY)
         now = time.time()
+        timeout_s = self.cfg.endpoint.request_timeout_s
+        over = any(generation_over(self.ledger.attempts[uid], now, timeout_s) for uid, _, _ in pending)
+        records_kept = over and await self._records_kept()
 
         async def one(uid: str, generation_id: str) -> tuple[float | None, SettledBy]:
             attempt = self.ledger.attempts[uid]
             priced = priced_unless_recorded(attempt, now)
+            unbilled = records_kept and generation_over(attempt, now, timeout_s)
             async with gate:
-                ended = ended_long_ago(attempt, now)
-                absent = priced if priced is not None else (0.0 if ended else None)
+                ended = ended_long_ago(attempt, now) or unbilled
+                absent = priced if priced is not None else (NO_RECORD if unbilled else 0.0 if ended else None)
                 cost = await self.client.lookup_cost(generation_id, delays_s, absent, ended)
+            if cost == NO_RECORD:
+                return 0.0, "no_record"
             return cost, ("configured_prices" if priced is not None and cost is priced else "generation")
 
         found = await asyncio.gather(*(one(uid, gid) for uid, gid, _ in pending))
@@ -252,8 +305,30 @@ class Settler:
                 f"{format_usd(worst)} at worst case -> {format_usd(sum(c for _, c, _ in settled))} billed"
             )
 
+    async def _records_kept(self) -> bool:
+        """Whether this endpoint keeps generation records, so that a record still missing once its generation is
+        over means it was not billed. An endpoint that keeps none (a vendor billing per token, a local server)
+        404s every id, and $0 there would under-count its bill: only a record read back proves it. Evidence: an
+        attempt already settled from a paid record, else one lookup of this directory's oldest paid answer
+        (indexed long since). Unknown (nothing paid with an id, the lookup failed): no."""
+        if self._records is None:
+            self._records = await self._find_a_record()
+        return self._records
+
+    async def _find_a_record(self) -> bool:
+        paid = [a for a in self.ledger.attempts.values() if a.generation_id and (a.cost_usd or 0.0) > 0]
+        if any(a.settled_by == "generation" for a in paid):
+            return True
+        answered = [a for a in paid if a.state == "answered" and a.sent_at is not None]
+        if not answered:
+            return False
+        oldest = min(answered, key=lambda a: a.sent_at or 0.0)
+        return await self.client.lookup_cost(oldest.generation_id or "", ()) is not None
+
     async def _settle_by_account(self) -> None:
-        settlements, problems = account_settlements(self.ledger, self.by_generation)
+        settlements, problems = account_settlements(
+            self.ledger, self.by_generation, self.cfg.endpoint.request_timeout_s
+        )
         self.report.problems.extend(problems)
         if not settlements:
             return
@@ -362,6 +437,19 @@ def priced_unless_recorded(attempt: Attempt, now: float) -> float | None:
 def _record_due(attempt: Attempt, now: float) -> bool:
     """Sent at least `ABSENT_RECORD_GRACE_S` ago: a record the provider keeps is written by then."""
     return attempt.sent_at is not None and now - attempt.sent_at >= ABSENT_RECORD_GRACE_S
+
+
+def generation_over(attempt: Attempt, now: float, timeout_s: float) -> bool:
+    """A request cut mid-generation (a kill, a reset, a dead endpoint) whose generation has ended by `now`: a
+    provider that cannot cancel a stream bills it when the model finishes, but a full answer takes at most
+    `endpoint.request_timeout_s` (a longer one the client would have cut anyway), and its record is written
+    `ABSENT_RECORD_GRACE_S` after. From then on a lookup that finds no record means none will come."""
+    return attempt.sent_at is not None and now >= _generation_end(attempt, timeout_s)
+
+
+def _generation_end(attempt: Attempt, timeout_s: float) -> float:
+    """When the generation of an attempt has surely ended and its record, if any, is written."""
+    return (attempt.sent_at or 0.0) + timeout_s + ABSENT_RECORD_GRACE_S
 
 
 def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None:
