@@ -69,3 +69,17 @@ def test_the_stop_message_never_claims_a_cap_it_crossed() -> None:
     assert "never crosses the cap" in budget_stop_message(0.9, 1.0)
     crossed = budget_stop_message(1.25, 1.0)
     assert "never crosses" not in crossed and "$0.25" in crossed and "over it" in crossed
+
+
+def test_the_stop_message_blames_prices_only_for_a_bill_over_the_cap() -> None:
+    """$7.75 counted against a $5 cap, of which $0.68 billed and the rest pending worst cases of requests a dead
+    endpoint never billed: the message said the endpoint billed above the configured prices. Only a bill over the
+    cap says so; pending spend over it says what settles it."""
+    pending = budget_stop_message(7.75, 5.0, pending_usd=7.07)
+    assert "billed above" not in pending and "set the prices" not in pending
+    assert "$2.75 over it only by the pending attempts' worst case" in pending and "$0.6800, is under it" in pending
+    assert "exclusive_key" in pending and "rerun later" in pending and "raise endpoint.max_cost_usd" in pending
+    held = budget_stop_message(4.99, 5.0, pending_usd=3.0)
+    assert "never crosses the cap" in held and "pending attempts hold part of it" in held and "exclusive_key" in held
+    billed = budget_stop_message(5.5, 5.0, pending_usd=0.25)
+    assert "$0.2500 billed over it: the endpoint billed above the configured" in billed

@@ -577,27 +577,56 @@ class _Run:
 
 
 def budget_stop_message(counted_usd: float, cap_usd: float | None, pending_usd: float = 0.0) -> str:
-    """The one explanation of a budget stop, for the CLI, the Prefect state message and the task log."""
+    """The one explanation of a budget stop, for the CLI, the Prefect state message and the task log. Prices are
+    blamed only when what was billed crossed the cap: counted spend over it by pending worst cases alone (a $0.68
+    bill under a $5 cap, $7.75 counted) had been put on the provider's prices."""
+    billed_usd = counted_usd - pending_usd
     pending = (
-        f" ({format_usd(counted_usd - pending_usd)} billed + {format_usd(pending_usd)} pending at worst case until "
-        "the provider's records settle it)"
+        f" ({format_usd(billed_usd)} billed + {format_usd(pending_usd)} pending at worst case until the provider's "
+        "records settle it)"
         if pending_usd > 0
         else ""
     )
+    return (
+        f"stopped at the budget cap: {format_usd(counted_usd)} counted{pending} of endpoint.max_cost_usd="
+        f"{format_usd(cap_usd)} ({_why_at_cap(counted_usd, cap_usd, pending_usd)}). Finished samples are committed "
+        f"and will not be sent again; {_how_to_continue(pending_usd)}"
+    )
+
+
+def _crossed(usd: float, cap_usd: float | None) -> bool:
+    return cap_usd is not None and usd > cap_usd * (1 + 1e-9)
+
+
+def _why_at_cap(counted_usd: float, cap_usd: float | None, pending_usd: float) -> str:
+    """Whose figure holds the cap: the provider's bill above the configured prices, or pending worst cases."""
+    billed_usd = counted_usd - pending_usd
+    if cap_usd is not None and _crossed(billed_usd, cap_usd):
+        return (
+            f"{format_usd(billed_usd - cap_usd)} billed over it: the endpoint billed above the configured "
+            "endpoint.price_*_usd_per_mtok, which the requests already in flight had reserved at; set the prices "
+            "it bills"
+        )
+    if cap_usd is not None and _crossed(counted_usd, cap_usd):
+        return (
+            f"{format_usd(counted_usd - cap_usd)} over it only by the pending attempts' worst case: the bill, "
+            f"{format_usd(billed_usd)}, is under it"
+        )
     how = (
         "each request reserves its worst case, max_tokens at the configured prices or the higher ones the endpoint "
         "lists or has billed, before it is sent, so the spend never crosses the cap"
     )
-    if cap_usd is not None and counted_usd > cap_usd * (1 + 1e-9):
-        how = (
-            f"{format_usd(counted_usd - cap_usd)} over it: the endpoint billed above the configured "
-            "endpoint.price_*_usd_per_mtok, which the requests already in flight had reserved at; set the prices "
-            "it bills"
-        )
+    return f"{how}; unsettled pending attempts hold part of it at worst case" if pending_usd > 0 else how
+
+
+def _how_to_continue(pending_usd: float) -> str:
+    if pending_usd <= 0:
+        return "to continue, raise endpoint.max_cost_usd and rerun."
     return (
-        f"stopped at the budget cap: {format_usd(counted_usd)} counted{pending} of endpoint.max_cost_usd="
-        f"{format_usd(cap_usd)} ({how}). Finished samples are committed and will not be sent again; "
-        "to continue, raise endpoint.max_cost_usd and rerun."
+        "to continue, rerun later (each run settles the pending attempts the provider's generation records can: a "
+        "request cut mid-generation once endpoint.request_timeout_s + 30 s have passed since it was sent), set "
+        "endpoint.account_settlement: exclusive_key if only this run directory uses the key (its usage settles those "
+        "without a generation id too), or raise endpoint.max_cost_usd."
     )
 
 
