@@ -169,3 +169,44 @@ def test_a_suspect_breaker_is_left_to_its_probe_by_an_old_answer() -> None:
         await breaker.close()
 
     asyncio.run(scenario())
+
+
+def test_failures_in_a_row_while_the_probe_answers_open_the_breaker_for_one_trial_request() -> None:
+    """A 60 s burst of 503s on completions while GET /v1/models answered 200 (how a provider-side burst looks on
+    OpenRouter) used up every attempt of 858 of 2,000 samples: each probe said up, so each 503 counted. Now
+    `trip_after` failures in a row with no answer in between open the breaker on the probe's word "up" too, and
+    one trial request per probe step decides; the failures while it is open are free, a failed trial uses up its
+    own sample's attempt (so samples the endpoint fails every time still fail instead of holding the run until
+    outage_abort_s), and while the probe says up the trials do not back off."""
+
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        endpoint.down = False
+        breaker = endpoint.breaker()
+        verdicts = [
+            await breaker.judge(time.monotonic(), answered_since=True, trial=False, error="HTTP 503")
+            for _ in range(breaker.trip_after)
+        ]
+        assert verdicts == [False] * (breaker.trip_after - 1) + [True], "the burst's failures were not free"
+        assert breaker.state == "trial" and endpoint.events == ["outage_start"]
+        assert breaker.take() is True and breaker.take() is None, "more than one trial request went out"
+        for _ in range(4):  # each probe step lets one more trial through, every probe_min_s
+            assert await breaker.judge(time.monotonic(), answered_since=False, trial=True, error="HTTP 503") is False
+            assert breaker.state == "open" and not breaker.sendable()
+            for _ in range(100):
+                await asyncio.sleep(0.005)
+                if breaker.state == "trial":
+                    break
+            assert breaker.state == "trial" and breaker.take() is True
+        assert endpoint.probes <= 2 + 4 + 1
+        started = time.monotonic()
+        await breaker.judge(time.monotonic(), answered_since=False, trial=True, error="HTTP 503")
+        while breaker.state != "trial":
+            await asyncio.sleep(0.001)
+        assert time.monotonic() - started < 0.05, "trials backed off while the probe says up"
+        assert breaker.take() is True
+        breaker.alive(time.monotonic())
+        assert breaker.state == "closed" and endpoint.events == ["outage_start", "outage_end"]
+        await breaker.close()
+
+    asyncio.run(scenario())

@@ -30,7 +30,7 @@ from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, read_part, write_part
 from tasks.generate import CompletionMarkers, GenerateSummary, generate_parts
 from tasks.generate.chunks import chunk_paths, read_chunk
-from tasks.generate.client import EndpointClient, SampleOutcome
+from tasks.generate.client import OUTAGE_REASONS, EndpointClient, SampleOutcome
 from tasks.reconstruct.tokenizer_loading import render_prompt_ids
 
 EOS = "<｜end▁of▁sentence｜>"
@@ -369,8 +369,12 @@ def test_retryable_failures_exhaust_max_attempts(
             continue
         reason = expected_reason(rule, mode)
         want[reason] += 1
-        assert (out["status"], out["failure_reason"], out["attempts"]) == ("failed", reason, 3), rule
-        assert out["error"].startswith("gave up after 3 attempts")
+        assert (out["status"], out["failure_reason"]) == ("failed", reason), rule
+        # Outage-class failures three in a row open the breaker even though its probe answers (a provider's burst
+        # of 503s): those that arrive while it is open are free, a failed trial request is not.
+        free = out["attempts"] - 3
+        assert free == 0 or (reason in OUTAGE_REASONS and 0 < free <= 3), (rule, out["attempts"])
+        assert out["error"].startswith(f"gave up after {out['attempts']} attempts")
         assert out["content"] is None and out["reasoning"] is None, "a failed row carries no partial answer"
     assert total["failures_by_reason"] == dict(want)
 

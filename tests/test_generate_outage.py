@@ -426,3 +426,36 @@ def test_a_run_that_ends_at_the_budget_cap_with_samples_left_is_not_called_final
     assert heading(capped) == "stopped at 200/1,000: the budget cap"
     assert heading(replace(RUNNING, done=990, failed=10, final=True)) == "final"
     assert heading(RUNNING) == "in progress"
+
+
+def test_a_burst_of_503s_while_the_liveness_probe_answers_fails_no_sample(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Every chat completion answered 503 for 60 s while GET /v1/models answered 200 (a provider-side burst on
+    OpenRouter looks like this): each probe said up, so each 503 used up an attempt and 858 of 2,000 samples
+    failed. Scaled down: a 2 s burst at three attempts a sample; the breaker opens on three failures in a row,
+    the failures while it is open are free, and one trial request every outage_probe_min_s (each failed one
+    uses up its own sample's attempt: at most 8 over 16 samples) rides the burst out."""
+    from endpoint_sim.responder import FailureRule
+
+    write_prompts(tmp_path, [question("burst", i) for i in range(16)])
+    with SimulatorServer(tokenizer_dir, SimConfig(failures=(FailureRule(status=503, rate=1.0, attempts=None),))) as sim:
+        cfg = make_cfg(
+            tmp_path,
+            sim.base_url,
+            tokenizer_dir,
+            "stream",
+            max_attempts=3,
+            outage_probe_min_s=0.25,
+            outage_probe_max_s=0.5,
+            outage_abort_s=60.0,
+        )
+        burst_ends = threading.Timer(2.0, lambda: sim.update_config(failures=()))
+        burst_ends.start()
+        try:
+            summary = run(cfg, tokenizer).total()
+        finally:
+            burst_ends.join()
+    got = responses(tmp_path)
+    assert {r["status"] for r in got.values()} == {"done"}, summary["failures_by_reason"]
+    assert summary["outages"] >= 1 and summary["retries_by_reason"].get("http_503", 0) > 0

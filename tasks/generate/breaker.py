@@ -8,7 +8,15 @@ began, the few already on their way when the first failures came back, and one p
 States:
 - `closed`: requests flow.
 - `suspect`: an outage-class failure (transport error, 502-504) arrived with no answer since it was sent, or
-  `trip_after` of them in a row: new sends wait for one probe. Up: closed again. Down: open.
+  `trip_after` of them in a row: new sends wait for one probe. Down: open. Up: closed again, unless `trip_after`
+  failures came in a row with no answer in between: then open ("failing while up"), with one trial request at
+  once and then one per `probe_min_s` (no back-off: the probe says up). A provider's burst of 503s while its model
+  listing still answers (OpenRouter's liveness URL) had used up every attempt of 858 of 2,000 samples in 60 s;
+  now the failures while it is open are free, and a failed trial uses up its own sample's attempt: from the
+  client's side a burst looks like a few samples the endpoint fails every time with nothing else left to send,
+  which, all free, would have stopped the run after `outage_abort_s` instead of failing them. A burst then
+  costs one attempt per trial, spread over the waiting samples. A lone failure among answers still counts as
+  its sample's own.
 - `open`: an outage. No sends; a probe at growing intervals. A probe that finds the endpoint up lets exactly one
   real request through (`trial`), since a liveness URL can answer while completions still fail.
 - `trial`: that one request is out. Its answer closes the breaker; its outage-class failure reopens it.
@@ -72,6 +80,7 @@ class CircuitBreaker:
         self._probe_started = 0.0
         self._prober: asyncio.Task[None] | None = None
         self._abort: EndpointUnavailableError | None = None
+        self._failing_up = False
         self._last_error = ""
 
     # --- senders ----------------------------------------------------------------------------------------------
@@ -125,7 +134,7 @@ class CircuitBreaker:
         if trial:
             self._trial_out = False
             self._reopen()
-            return True
+            return not self._failing_up
         if self.state in ("open", "trial"):
             return True
         if self.state == "closed" and (not answered_since or self.failures_in_a_row >= self.trip_after):
@@ -136,6 +145,11 @@ class CircuitBreaker:
             return True
         if down:
             self._open()
+            return True
+        if self.failures_in_a_row >= self.trip_after:
+            self._open(probe_up=True)
+            self._failing_up = True
+            self._allow_trial()
             return True
         if self.state == "suspect":
             self._close(quiet=True)
@@ -155,16 +169,24 @@ class CircuitBreaker:
             self.probes += 1
             self._probe = asyncio.ensure_future(self._probe_fn())
 
-    def _open(self) -> None:
+    def _open(self, probe_up: bool = False) -> None:
+        """`probe_up`: the liveness probe answers, but `trip_after` requests failed in a row with no answer in
+        between (a provider's burst of 503s while the model listing stays up): one trial request decides."""
         self.state = "open"
         self.outages += 1
         self.down_since = self.down_since or time.monotonic()
         self.sent_while_down = 0
+        what = (
+            f"fails every request ({self.failures_in_a_row} in a row, last: {self._last_error}) while its liveness "
+            "probe answers: one trial request per probe step decides when sending resumes (a failed trial uses up "
+            "its sample's attempt, the others wait free)"
+            if probe_up
+            else f"is down ({self._last_error}): no request is sent until a probe finds it up again"
+        )
         self._on_event(
             "outage_start",
-            f"{self.where} is down ({self._last_error}): no request is sent until a probe finds it up again "
-            f"(probes back off to {self.probe_max_s:g} s; the run stops after {self.abort_s:g} s without an "
-            "answer); no sample uses up an attempt meanwhile",
+            f"{self.where} {what} (probes back off to {self.probe_max_s:g} s; the run stops after "
+            f"{self.abort_s:g} s without an answer); no sample uses up an attempt meanwhile",
         )
         self._notify()
         self._prober = asyncio.ensure_future(self._probe_until_up())
@@ -184,6 +206,7 @@ class CircuitBreaker:
         was_open = self.state in ("open", "trial")
         self.state = "closed"
         self._trial_out = False
+        self._failing_up = False
         if was_open and not quiet:
             down_s = time.monotonic() - (self.down_since or time.monotonic())
             self._on_event(
@@ -217,9 +240,10 @@ class CircuitBreaker:
             self._probe_started = time.monotonic()
             self._probe = asyncio.ensure_future(self._probe_fn())
             down = await asyncio.shield(self._probe)
+            self._failing_up = self._failing_up and not down
             if not down:
                 self._allow_trial()
-            delay = min(self.probe_max_s, delay * 2)
+            delay = self.probe_min_s if self._failing_up else min(self.probe_max_s, delay * 2)
 
     async def _wait_change(self) -> None:
         if self._changed is None or self._changed.done():
