@@ -13,6 +13,11 @@ from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
 
+EPHEMERAL_STARTUP_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+EPHEMERAL_TIMEOUT_TEXT = "Timed out while attempting to connect to ephemeral Prefect API server"
+"""What Prefect 3 raises (a RuntimeError) when the embedded server it starts for a flow run does not answer within
+its startup timeout: a loaded machine, not a bug, yet it was reported as an internal error."""
+
 
 class ExitCode(IntEnum):
     OK = 0
@@ -22,6 +27,7 @@ class ExitCode(IntEnum):
     ENDPOINT = 4
     GATES = 5
     STAGES_DISAGREE = 6
+    PREFECT_SERVER = 7
 
 
 EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
@@ -33,6 +39,8 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.GATES: "validation gates crossed (failed samples or mismatches beyond validation.* limits), or a "
     "provider the target scores worse than the others (scoring.parity_gate: fail)",
     ExitCode.STAGES_DISAGREE: "stages disagree: the run directory's stages do not hold the same samples (status)",
+    ExitCode.PREFECT_SERVER: "Prefect's embedded API server did not start in time (a loaded machine): raise "
+    f"{EPHEMERAL_STARTUP_SETTING} or point PREFECT_API_URL at a running server, and rerun (it resumes)",
 }
 
 
@@ -63,6 +71,8 @@ def exit_code_for(exc: BaseException) -> ExitCode:
 
     if isinstance(exc, EstimateOverBudgetError):
         return ExitCode.BUDGET
+    if _ephemeral_server_timeout(exc):
+        return ExitCode.PREFECT_SERVER
     if isinstance(exc, FatalEndpointError | EndpointUnavailableError):
         return ExitCode.ENDPOINT
     if isinstance(exc, ValidationGateError):
@@ -80,6 +90,31 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     if _is_transport_error(exc):
         return ExitCode.ENDPOINT
     return ExitCode.INTERNAL
+
+
+def _ephemeral_server_timeout(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is Prefect's embedded server not starting in time."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, RuntimeError) and str(link).startswith(EPHEMERAL_TIMEOUT_TEXT):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
+def ephemeral_timeout_line() -> str:
+    """What timed out and the two remedies; Prefect's own message appends the server's whole output."""
+    import os
+
+    current = os.environ.get(EPHEMERAL_STARTUP_SETTING)
+    within = f"{current} s ({EPHEMERAL_STARTUP_SETTING})" if current else f"20 s ({EPHEMERAL_STARTUP_SETTING} unset)"
+    return (
+        f"Prefect's embedded API server did not answer within {within} of being started, a loaded machine: raise "
+        f"it (e.g. {EPHEMERAL_STARTUP_SETTING}=120) or start a server (prefect server start) and point "
+        "PREFECT_API_URL at it, then rerun the same command (it resumes)"
+    )
 
 
 def _is_transport_error(exc: BaseException) -> bool:
@@ -131,6 +166,8 @@ def error_line(exc: BaseException, redact: Callable[[str], str] = str) -> str:
         text = config_error_line(exc)
     elif isinstance(exc, OSError) and code is ExitCode.USER and exc.errno is not None:
         text = _os_error_line(exc)
+    elif code is ExitCode.PREFECT_SERVER:
+        text = ephemeral_timeout_line()
     elif code is ExitCode.INTERNAL:
         text = f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
     elif code is ExitCode.ENDPOINT and not str(exc):

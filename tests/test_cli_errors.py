@@ -330,3 +330,39 @@ def test_a_key_typed_without_a_space_after_the_colon_is_not_printed(
     with pytest.raises(ConfigError) as refused:
         resolve_run(RunParameters(config_path=str(path)))
     assert API_KEY not in str(refused.value) and refused.value.__cause__ is None
+
+
+def test_prefects_embedded_server_not_starting_in_time_is_one_line_with_its_remedy(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under load (~11) `run` exited 1, "internal error: a bug", on Prefect's own "Timed out while attempting to
+    connect to ephemeral Prefect API server": a loaded machine, not a bug. The real exception, from a startup
+    timeout of 0 s, wrapped as a flow run would wrap it: exit 7 and one line naming the setting to raise and
+    PREFECT_API_URL."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    import flows.cli as cli
+    from tests.test_generate_outage import free_port
+
+    server = SubprocessASGIServer(port=free_port())
+    with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 0}):
+        try:
+            with pytest.raises(RuntimeError) as raised:
+                server.start()
+        finally:
+            server.stop()
+
+    def run_that_times_out(args: object) -> int:
+        raise ValueError("the flow run crashed") from raised.value
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "0")
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    subparsers.choices["status"].set_defaults(func=run_that_times_out)  # type: ignore[union-attr]
+    code = cli.main(["status", "somewhere"])
+    err = capsys.readouterr().err.strip()
+    assert code == ExitCode.PREFECT_SERVER == 7 and len(err.splitlines()) == 1, err
+    assert "within 0 s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)" in err and "PREFECT_API_URL" in err
+    assert "internal error" not in err
