@@ -196,7 +196,7 @@ def test_cli_generate_keeps_the_key_out_of_output_and_files(
     assert leaks(done.stdout + done.stderr, "CLI output") + tree_leaks(run_dir) == []
 
 
-@pytest.mark.slow  # two CLI processes; test_cli_generate_keeps_the_key_out_of_output_and_files stays in make test: make test-long
+@pytest.mark.slow  # two CLI processes (the key-from-config CLI test stays in make test): make test-long
 def test_a_refused_key_leaks_neither_from_the_cli_nor_from_the_exception(
     tmp_path: Path, tokenizer_dir: Path, echoing: SimulatorServer, caplog: pytest.LogCaptureFixture
 ) -> None:
