@@ -176,18 +176,20 @@ class CircuitBreaker:
         self.outages += 1
         self.down_since = self.down_since or time.monotonic()
         self.sent_while_down = 0
-        what = (
-            f"fails every request ({self.failures_in_a_row} in a row, last: {self._last_error}) while its liveness "
-            "probe answers: one trial request per probe step decides when sending resumes (a failed trial uses up "
-            "its sample's attempt, the others wait free)"
-            if probe_up
-            else f"is down ({self._last_error}): no request is sent until a probe finds it up again"
-        )
-        self._on_event(
-            "outage_start",
-            f"{self.where} {what} (probes back off to {self.probe_max_s:g} s; the run stops after "
-            f"{self.abort_s:g} s without an answer); no sample uses up an attempt meanwhile",
-        )
+        if probe_up:
+            what = (
+                f"fails every request ({self.failures_in_a_row} in a row, last: {self._last_error}) while its "
+                f"liveness probe answers: one trial request every {self.probe_min_s:g} s decides when sending "
+                f"resumes (the run stops after {self.abort_s:g} s without an answer); a failed trial uses up its "
+                "sample's attempt, the samples waiting meanwhile use up none"
+            )
+        else:
+            what = (
+                f"is down ({self._last_error}): no request is sent until a probe finds it up again (probes back "
+                f"off to {self.probe_max_s:g} s; the run stops after {self.abort_s:g} s without an answer); no "
+                "sample uses up an attempt meanwhile"
+            )
+        self._on_event("outage_start", f"{self.where} {what}")
         self._notify()
         self._prober = asyncio.ensure_future(self._probe_until_up())
 
