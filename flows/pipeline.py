@@ -517,20 +517,39 @@ def failure_summary_hook(flow_obj: Any, flow_run: Any, state: Any) -> None:
         try:
             run = RunParameters.model_validate(flow_run.parameters.get("run", {}))
             cfg = resolve_run(run).cfg
-            lines.append(f"Run directory `{cfg.run_dir}`; finished parts per stage:")
-            lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
-            status = run_status(
-                cfg.run_dir, None, cfg.extract.enabled, cfg.extract.skip_failed_validation, cfg.endpoint.retry_failed
-            )
-            failed_file = write_failed_file(status)
-            lines += ["", "## What a rerun with the same parameters changes", "", *rerun_outlook(status), ""]
-            lines += [status.markdown().replace("# status of", "## status of", 1), ""]
-            lines.append(f"Failed and quarantined samples: `{failed_file}` (tables: the failed-samples artifacts)")
-            datasets = [d.name for d in cfg.datasets]
-            publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir, datasets, flow_run.id)
+            lines += _run_dir_report(cfg, flow_run.id) if _parts(cfg, "prompts") else _refused_lines(cfg)
         except Exception as exc:  # the hook must report, never raise: the run has already failed
             lines.append(f"(run directory not inspected: {type(exc).__name__}: {exc})")
         MarkdownArtifact(key=key, markdown="\n".join(lines), flow_run_id=flow_run.id).create()
+
+
+def _refused_lines(cfg: PipelineConfig) -> list[str]:
+    """A run that stopped before prepare finished a part (a refused form: an unknown extract deployment, a
+    missing block): nothing of it is in the run directory, so there is no stage table, status or failed-samples
+    file to show, and inspecting the directory would create it (`_status.json`, an empty `failed_samples.jsonl`)
+    and report an empty prompts stage as a disagreement."""
+    return [
+        f"Nothing to resume: no part of run directory `{cfg.run_dir}` was prepared, so there is no stage table,",
+        "status or failed-samples file to show. Change what the error above names and run again; the run starts",
+        "at prepare.",
+    ]
+
+
+def _run_dir_report(cfg: PipelineConfig, flow_run_id: Any) -> list[str]:
+    """What a run that got past prepare left: finished parts per stage, what a rerun changes, the status view,
+    and the failed-samples file and tables."""
+    lines = [f"Run directory `{cfg.run_dir}`; finished parts per stage:"]
+    lines += [f"- {stage}: {len(_parts(cfg, stage))}" for stage in STAGES]
+    status = run_status(
+        cfg.run_dir, None, cfg.extract.enabled, cfg.extract.skip_failed_validation, cfg.endpoint.retry_failed
+    )
+    failed_file = write_failed_file(status)
+    lines += ["", "## What a rerun with the same parameters changes", "", *rerun_outlook(status), ""]
+    lines += [status.markdown().replace("# status of", "## status of", 1), ""]
+    lines.append(f"Failed and quarantined samples: `{failed_file}` (tables: the failed-samples artifacts)")
+    datasets = [d.name for d in cfg.datasets]
+    publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir, datasets, flow_run_id)
+    return lines
 
 
 def failure_summary_key(parameters: dict[str, Any]) -> str:

@@ -226,3 +226,25 @@ def test_a_run_that_completes_replaces_the_failure_summary_of_one_that_failed(
     assert "completed (attempt 1)" in str(summary.data)
     assert pipeline(run, return_state=True).is_completed()
     assert Artifact.get("failure-summary-retried").flow_run_id == again.state_details.flow_run_id
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_run_refused_before_prepare_writes_nothing_and_claims_no_stages(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A form naming an unknown extract deployment is refused before prepare (a UI probe): the failure summary
+    was the error plus an empty stage table, 'stages disagree', 'It resumes from the finished parts above', and
+    the hook created the run directory with `_status.json` and an empty failed-samples file."""
+    from prefect.artifacts import Artifact
+
+    run_dir = tmp_path / "refused"
+    run = RunParameters(
+        config_path=str(demo_config_path()),
+        overrides={"run_dir": str(run_dir), "tokenizer.path": str(tiny_model_dir)},
+        extract_deployment="eagle3-extract/nope",
+    )
+    state = pipeline(run, return_state=True)
+    assert state.is_failed() and "no such deployment" in (state.message or "")
+    assert not run_dir.exists()
+    summary = str(Artifact.get("failure-summary-refused").data)
+    assert "no such deployment" in summary and "Nothing to resume" in summary
+    assert "resumes from" not in summary and "stages disagree" not in summary and "prompts: 0" not in summary
+    assert Artifact.get("failed-samples-b1-refused") is None
