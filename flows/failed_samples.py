@@ -5,11 +5,12 @@ Invariant: the rows are `FailureRecord`s (the columns of `failed_samples.jsonl` 
 `tasks.common.failures.FAILURE_COLUMNS`), failed samples in stage order before quarantined rows, at most
 `ROWS_PER_DATASET` per dataset, and the description names the file that holds all of them. A dataset of the run
 with no failed sample and no quarantined row gets an empty table saying so: the key's latest version showed the
-failures a later run had since retried.
+failures a later run had since retried (its description says so only when that version listed any).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +34,20 @@ def artifact_key(dataset: str, run_dir: Path | str) -> str:
     return run_key(KEY_PREFIX + (slug(dataset) or "dataset"), run_dir)
 
 
+RETRIED_NOTE = " (older versions of this key show failures since retried)"
+
+
+def _retried_note(key: str) -> str:
+    """`RETRIED_NOTE` only when an older version listed failed samples: the latest one did, or said so itself.
+    The empty table of a first run, or of a directory that never had a failure, claimed failures that never were."""
+    from prefect.artifacts import Artifact
+
+    latest = Artifact.get(key)  # None: no version of the key yet
+    data = getattr(latest, "data", None)
+    rows = json.loads(data) if isinstance(data, str) else data
+    return RETRIED_NOTE if rows or RETRIED_NOTE in str(getattr(latest, "description", "") or "") else ""
+
+
 def table_rows(records: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [{column: display_cell(r, column) for column in COLUMNS} for r in records]
 
@@ -52,6 +67,7 @@ def publish_failed_samples(
         per.setdefault(str(record["dataset"]), []).append(record)
     keys = []
     for dataset, rows in sorted(per.items()):
+        key = artifact_key(dataset, run_dir)
         classes = Counter(str(r["class"]) for r in rows)
         shown = f"the first {ROWS_PER_DATASET} shown" if len(rows) > ROWS_PER_DATASET else "all shown"
         description = (
@@ -61,10 +77,8 @@ def publish_failed_samples(
                 + f"). Every one, with the same columns: {failed_file}"
             )
             if rows
-            else f"No failed samples or quarantined rows in dataset {dataset} now (older versions of this key show "
-            "failures since retried)."
+            else f"No failed samples or quarantined rows in dataset {dataset} now{_retried_note(key)}."
         )
-        key = artifact_key(dataset, run_dir)
         TableArtifact(
             key=key, table=table_rows(rows[:ROWS_PER_DATASET]), description=description, flow_run_id=flow_run_id
         ).create()

@@ -114,6 +114,12 @@ def test_a_dataset_whose_failures_a_later_run_retried_gets_an_empty_table(tmp_pa
     latest = Artifact.get("failed-samples-p20-stale")
     assert latest is not None and latest.id != first.id and json.loads(str(latest.data)) == []
     assert (latest.description or "").startswith("No failed samples or quarantined rows in dataset P20 now")
+    assert "since retried" in (latest.description or "")
+    # B1 never had a failure: its empty tables claim no older failures (a UI probe read the claim on a first run)
+    assert "older versions" not in (Artifact.get("failed-samples-b1-stale").description or "")
+    publish_failed_samples([], tmp_path / "f.jsonl", run_dir, ["P20", "B1"])
+    assert "since retried" in (Artifact.get("failed-samples-p20-stale").description or ""), "older versions still do"
+    assert "older versions" not in (Artifact.get("failed-samples-b1-stale").description or "")
 
 
 def test_the_rerun_outlook_names_the_run_form_override_as_well_as_the_cli_flag() -> None:
