@@ -224,8 +224,18 @@ def test_400_fails_the_sample_without_retry_and_rerun_retries_it_only_when_asked
     assert (kept["requests_sent"], kept["kept_failed"]) == (0, len(failed_keys))
     # The pipeline, seeing nothing to send, reports the same without calling generate (it said 0 samples, $0).
     idle = nothing_to_send_summary(tmp_path, [0, 1]).total()
-    for key in ("samples", "skipped_already_done", "kept_failed", "run_dir_billed_usd", "run_dir_counted_usd"):
+    for key in (
+        "samples",
+        "skipped_already_done",
+        "kept_failed",
+        "kept_failed_by_reason",
+        "run_dir_billed_usd",
+        "run_dir_counted_usd",
+    ):
         assert idle[key] == kept[key], key
+    # The run summary's rows add up to the samples: the kept failures are a row with their reasons (a UI probe)
+    assert kept["kept_failed_by_reason"] == {"context_length": len(failed_keys)}
+    assert kept["done"] + kept["failed"] + kept["skipped_already_done"] + kept["kept_failed"] == kept["samples"]
     assert idle["samples"] == 12 and idle["run_dir_billed_usd"] > 0
     assert sim.stats()["by_key"] == stats, "a deterministic failure was re-sent by a plain rerun"
 

@@ -14,6 +14,16 @@ def test_failures_by_reason_in_the_run_summary_read_as_counts() -> None:
     assert rows["failures by reason"] == "context_length 7, http_400 2" and rows["failed"] == 9
 
 
+def test_the_run_summary_has_a_row_for_failed_samples_kept_from_earlier_runs() -> None:
+    """`samples 80 / done 0 / failed 0 / already done before this run 61` (a UI probe): the 19 deterministic
+    failures kept from before, not sent again, were in no row."""
+    total = {"samples": 80, "done": 0, "failed": 0, "skipped_already_done": 61, "kept_failed": 19}
+    stats = {"generate": {"total": {**total, "kept_failed_by_reason": {"context_length": 15, "http_400": 4}}}}
+    rows = {row["metric"]: row["value"] for row in generate_rows(stats)}
+    assert rows["failed before this run, kept (not sent again)"] == 19
+    assert rows["kept failures by reason"] == "context_length 15, http_400 4"
+
+
 def test_the_estimate_in_a_prefect_run_does_not_advise_a_cli_option() -> None:
     import flows.pipeline as pipeline_module
     from tasks.estimate.display import estimate_text

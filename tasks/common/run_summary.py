@@ -15,6 +15,8 @@ GENERATE_TOTALS = (
     ("done", "done"),
     ("failed", "failed"),
     ("already done before this run", "skipped_already_done"),
+    ("failed before this run, kept (not sent again)", "kept_failed"),
+    ("kept failures by reason", "kept_failed_by_reason"),
     ("failures by reason", "failures_by_reason"),
     ("requests sent", "requests_sent"),
     ("prompt tokens", "prompt_tokens"),

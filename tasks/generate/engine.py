@@ -110,7 +110,8 @@ class CommitListener(Protocol):
 @dataclass
 class PartSummary:
     """Counts for one part in this run: done + failed + skipped_already_done + kept_failed = samples.
-    `kept_failed`: committed deterministic failures this run did not re-send (`rerun_policy`)."""
+    `kept_failed`: committed deterministic failures this run did not re-send (`rerun_policy`), by reason in
+    `kept_failed_by_reason` (the run summary's rows did not add up to `samples` without them)."""
 
     part: int
     samples: int = 0
@@ -118,6 +119,7 @@ class PartSummary:
     failed: int = 0
     skipped_already_done: int = 0
     kept_failed: int = 0
+    kept_failed_by_reason: dict[str, int] = field(default_factory=dict)
     requests_sent: int = 0
     failures_by_reason: dict[str, int] = field(default_factory=dict)
     failures_by_class: dict[str, int] = field(default_factory=dict)
@@ -161,10 +163,12 @@ class GenerateSummary:
 
     def total(self) -> dict[str, Any]:
         reasons: Counter[str] = Counter()
+        kept: Counter[str] = Counter()
         retries: Counter[str] = Counter()
         classes: Counter[str] = Counter()
         for p in self.parts:
             reasons.update(p.failures_by_reason)
+            kept.update(p.kept_failed_by_reason)
             retries.update(p.retries_by_reason)
             classes.update(p.failures_by_class)
         return {
@@ -174,6 +178,7 @@ class GenerateSummary:
             "failed": sum(p.failed for p in self.parts),
             "skipped_already_done": sum(p.skipped_already_done for p in self.parts),
             "kept_failed": sum(p.kept_failed for p in self.parts),
+            "kept_failed_by_reason": dict(kept),
             "requests_sent": sum(p.requests_sent for p in self.parts),
             "failures_by_reason": dict(reasons),
             "failure_class": dict(classes),
@@ -206,9 +211,25 @@ def nothing_to_send_summary(run_dir: Path, parts: list[int]) -> GenerateSummary:
         ref = PartRef(run_dir, "responses", part)
         statuses: dict[str, int] = read_marker(ref).get("status_counts", {}) if ref.is_done() else {}
         samples, done = sum(statuses.values()), statuses.get("done", 0)
-        summary.parts.append(PartSummary(part, samples=samples, skipped_already_done=done, kept_failed=samples - done))
+        kept = _failure_reasons(ref) if samples > done else {}
+        summary.parts.append(
+            PartSummary(
+                part, samples, skipped_already_done=done, kept_failed=samples - done, kept_failed_by_reason=kept
+            )
+        )
     summary.take_spend(SpendLedger.load(run_dir).totals())
     return summary
+
+
+def _failure_reasons(ref: PartRef) -> dict[str, int]:
+    """A finished responses part's failed rows by reason; read only for a part the marker says has any."""
+    table = read_part(ref, ["status", "failure_reason"]).to_pylist()
+    return dict(Counter(str(r["failure_reason"]) for r in table if r["status"] != "done"))
+
+
+def _kept_reasons(rows: dict[str, dict[str, Any]], kept: Iterator[str]) -> dict[str, int]:
+    """The failure reasons of the committed rows this run keeps as failed instead of sending again."""
+    return dict(Counter(str(rows.get(sid, {}).get("failure_reason")) for sid in kept))
 
 
 @dataclass
@@ -285,8 +306,14 @@ def _load_part(prompts: PartRef, journaled: list[dict[str, Any]], rules: RerunRu
     next_chunk = max((chunk_index(p) for p in chunks), default=-1) + 1
     todo = [item for sid, item in items.items() if rules.sends(sid, rows.get(sid))]
     done = sum(1 for sid in items if rows.get(sid, {}).get("status") == "done")
+    sent = {item.sample_id for item in todo}
+    kept = (sid for sid in items if sid not in sent and rows.get(sid, {}).get("status") != "done")
     summary = PartSummary(
-        part=prompts.part, samples=len(items), skipped_already_done=done, kept_failed=len(items) - len(todo) - done
+        part=prompts.part,
+        samples=len(items),
+        skipped_already_done=done,
+        kept_failed=len(items) - len(todo) - done,
+        kept_failed_by_reason=_kept_reasons(rows, kept),
     )
     return _PartState(
         prompts=prompts,
