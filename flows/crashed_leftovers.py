@@ -4,7 +4,8 @@ A host killed mid-run cannot report anything: the heartbeat automation (deployme
 flow run Crashed, but Prefect 3.9 closes the child task runs only of a *cancelled* flow run
 (`server/services/cancellation_cleanup.py`), so the UI kept showing the dead run's generate task as Running, its
 progress card half full, forever. The next run of any eagle3 deployment (the user pressing Run again, or the
-nightly schedule) marks those task runs Crashed, saying which flow run died, before it does anything else.
+nightly schedule) marks those task runs Crashed, saying which flow run died and quoting its state message (the
+heartbeat automation's, or the worker's "Process exited with status code: -9"), before it does anything else.
 The work is O(crashed runs x parts), never per sample, and a failure here is a warning: it must not stop a run.
 """
 
@@ -64,12 +65,12 @@ def close_task_runs_of_crashed_flow_runs() -> list[str]:
         )
         if not crashed:
             return []
-        names: dict[Any, str] = {run.id: run.name for run in crashed}
+        messages: dict[Any, str] = {run.id: leftover_message(run) for run in crashed}
         while True:
             task_runs = [
                 t
                 for t in client.read_task_runs(
-                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))),
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(messages))),
                     task_run_filter=TaskRunFilter(
                         state=TaskRunFilterState(type=TaskRunFilterStateType(any_=OPEN_STATES))
                     ),
@@ -82,10 +83,21 @@ def close_task_runs_of_crashed_flow_runs() -> list[str]:
             for task_run in task_runs:
                 client.set_task_run_state(
                     task_run.id,
-                    Crashed(
-                        message=f"its flow run {names.get(task_run.flow_run_id, task_run.flow_run_id)} crashed (no "
-                        "heartbeat: its host died); rerunning resumes from what that run had finished"
-                    ),
+                    Crashed(message=messages.get(task_run.flow_run_id, f"its flow run {task_run.flow_run_id} crashed")),
                     force=True,
                 )
                 closed[task_run.id] = task_run.name
+
+
+CAUSE_CHARS = 200
+"""The crashed run's own message is quoted up to this many characters (its first line)."""
+
+
+def leftover_message(crashed_run: Any) -> str:
+    """A leftover task run's message: which flow run crashed and why, in that run's own state message (a process
+    killed by a signal, a heartbeat lost): a fixed 'no heartbeat: its host died' misreported a `kill -9` of the
+    flow process under a live worker."""
+    state = crashed_run.state
+    lines = [line.strip() for line in str(getattr(state, "message", None) or "").splitlines() if line.strip()]
+    cause = lines[0][:CAUSE_CHARS] if lines else "no cause recorded"
+    return f"its flow run {crashed_run.name} crashed ({cause}); rerunning resumes from what that run had finished"
