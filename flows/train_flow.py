@@ -53,8 +53,19 @@ def evaluate_task(run_dir: str, train_dir: str | None, kwargs: dict[str, Any]) -
     return result
 
 
+# The docstrings' Args are the Run forms' field descriptions (Prefect reads them into the parameter schema): the
+# train-gpu form showed bare labels where the pipeline's form (RunParameters' Field descriptions) explains each.
 @flow(name="eagle3-evaluate", flow_run_name=flow_run_name)
 def evaluate_flow(run_dir: str, train_dir: str | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure a trained drafter's acceptance on the held-out prompts (the `drafter-acceptance` artifact).
+
+    Args:
+        run_dir: The run directory holding the hidden states, as seen from the worker (e.g. runs/run).
+        train_dir: The training output to evaluate; empty: <run_dir>/train.
+        kwargs: Evaluation options, e.g. {"k": 3, "max_new_tokens": 96, "max_prompts": 50}; "prompts_file"
+            (a dataset file, as seen from the worker) walks its prompts instead of the held-out ones; empty: the
+            drafter's ttt_steps, 96 new tokens, every held-out prompt.
+    """
     result: dict[str, Any] = evaluate_task(run_dir, train_dir, kwargs or {})
     return result
 
@@ -67,7 +78,16 @@ def train_flow(
     evaluate: bool = True,
     evaluate_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train a drafter on `run_dir` (resumable), then measure its acceptance on the held-out prompts."""
+    """Train a drafter on `run_dir` (resumable), then measure its acceptance on the held-out prompts.
+
+    Args:
+        run_dir: The run directory holding the hidden states, as seen from the worker (e.g. runs/run).
+        out_dir: Where the export, checkpoints and train_summary.json go; empty: <run_dir>/train.
+        options: Trainer options, e.g. {"epochs": 3, "lr": 0.001, "ttt_steps": 3, "max_steps": 100}
+            (tasks/train/stage.py TrainOptions); empty: its defaults.
+        evaluate: Measure the drafter's acceptance on the held-out prompts after training.
+        evaluate_kwargs: Evaluation options, as the evaluate flow's kwargs (e.g. {"max_prompts": 50}).
+    """
     summary = train_task(run_dir, out_dir, options or {})
     evaluation = evaluate_task(run_dir, out_dir, evaluate_kwargs or {}) if evaluate else None
     return {"train": summary, "evaluate": evaluation}

@@ -117,3 +117,16 @@ def test_the_train_and_evaluate_flows_are_named_after_their_run_directory() -> N
     assert train_flow.flow_run_name is flow_run_name and evaluate_flow.flow_run_name is flow_run_name
     assert run_name("eagle3-train", {"run_dir": "runs/nope", "evaluate": True}, RUN_ID) == "train-nope-8b9c0d"
     assert run_name("eagle3-evaluate", {"run_dir": "/runs/run"}, RUN_ID) == "evaluate-run-8b9c0d"
+
+
+def test_the_train_and_evaluate_run_forms_describe_every_field() -> None:
+    """The train-gpu deployment's Run form showed bare labels (`run_dir`, `out_dir (Optional)`) where the
+    pipeline's form explains each field (a UI probe)."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train_flow import evaluate_flow, train_flow
+
+    for flow_obj in (train_flow, evaluate_flow):
+        fields = parameter_schema(flow_obj).model_dump_for_openapi()["properties"]
+        bare = [name for name, spec in fields.items() if not spec.get("description")]
+        assert fields and not bare, (flow_obj.name, bare)
