@@ -210,3 +210,32 @@ def test_failures_in_a_row_while_the_probe_answers_open_the_breaker_for_one_tria
         await breaker.close()
 
     asyncio.run(scenario())
+
+
+def test_answers_to_streams_sent_before_a_burst_do_not_reset_its_count() -> None:
+    """Streams sent before a provider's burst of 503s kept finishing through it; each answer reset the count of
+    failures in a row, so the breaker opened only once they had drained: about 1,000 requests (one per stream in
+    flight) went out into the burst, each using up its sample's attempt. An answer ends the run of failures only
+    when it was sent no earlier than the first of them."""
+
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        endpoint.down = False
+        breaker = endpoint.breaker()
+        before_burst = time.monotonic()
+        await asyncio.sleep(0.001)
+        verdicts = []
+        for _ in range(breaker.trip_after):
+            verdicts.append(await breaker.judge(time.monotonic(), answered_since=True, trial=False, error="HTTP 503"))
+            breaker.alive(before_burst)  # an old stream finishes between two failures
+        assert verdicts[-1] is True and breaker.state == "trial", verdicts
+        await breaker.close()
+
+        fresh = endpoint.breaker()
+        first = time.monotonic()
+        assert await fresh.judge(first, answered_since=True, trial=False, error="HTTP 503") is False
+        fresh.alive(time.monotonic())  # sent after the failure and answered: the endpoint serves new requests
+        assert fresh.failures_in_a_row == 0
+        await fresh.close()
+
+    asyncio.run(scenario())

@@ -81,6 +81,7 @@ class CircuitBreaker:
         self._prober: asyncio.Task[None] | None = None
         self._abort: EndpointUnavailableError | None = None
         self._failing_up = False
+        self._streak_sent_at: float | None = None
         self._last_error = ""
 
     # --- senders ----------------------------------------------------------------------------------------------
@@ -117,8 +118,13 @@ class CircuitBreaker:
 
     # --- outcomes ---------------------------------------------------------------------------------------------
     def alive(self, sent_at: float) -> None:
-        """An HTTP answer (anything but 502-504, a success above all) to a request sent at `sent_at`."""
-        self.failures_in_a_row = 0
+        """An HTTP answer (anything but 502-504, a success above all) to a request sent at `sent_at`. It ends a run
+        of failures only if it was sent no earlier than the first of them: streams sent before a provider's burst
+        of 503s kept finishing through it, each reset the count, and about 1,000 requests went out into the burst
+        (one per stream in flight) before the breaker opened."""
+        if self._streak_sent_at is None or sent_at >= self._streak_sent_at:
+            self.failures_in_a_row = 0
+            self._streak_sent_at = None
         if self.state == "closed":
             return
         if self.down_since is not None and sent_at < self.down_since:
@@ -131,6 +137,8 @@ class CircuitBreaker:
         is free and the sender just waits for the breaker), False when it answers (the sample's own failure)."""
         self._last_error = error
         self.failures_in_a_row += 1
+        if self._streak_sent_at is None:
+            self._streak_sent_at = sent_at
         if trial:
             self._trial_out = False
             self._reopen()
