@@ -92,7 +92,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         total = stats["generate"]["total"]
         cap = stats["config"]["endpoint"]["max_cost_usd"]
-        print(budget_stop_message(total["run_dir_counted_usd"], cap, total["run_dir_pending_usd"]), file=sys.stderr)
+        settlement = stats["config"]["endpoint"]["account_settlement"]
+        message = budget_stop_message(total["run_dir_counted_usd"], cap, total["run_dir_pending_usd"], settlement)
+        print(message, file=sys.stderr)
         return EXIT_BUDGET
     return ExitCode.OK
 
@@ -297,8 +299,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for line in crossed:
             print(f"error: {line} (`eagle3-datagen status {cfg.run_dir}` lists every failed sample)", file=sys.stderr)
         return EXIT_GATE if crossed else 0
+    ep = cfg.endpoint
     print(
-        f"{budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)} "
+        f"{budget_stop_message(summary.counted_usd, ep.max_cost_usd, summary.pending_usd, ep.account_settlement)} "
         f"In {cfg.run_dir}, e.g.: eagle3-datagen generate {args.config} "
         + "".join(f"--set {shlex.quote(s)} " for s in args.set or [] if not s.startswith("endpoint.max_cost_usd="))
         + "--set endpoint.max_cost_usd=<higher>",

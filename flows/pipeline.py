@@ -147,7 +147,9 @@ def generate_task(
     out["datasets"] = publish_generate_summary(cfg, parts)
     if summary.stopped == "budget":
         get_run_logger().warning(
-            budget_stop_message(summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd)
+            budget_stop_message(
+                summary.counted_usd, cfg.endpoint.max_cost_usd, summary.pending_usd, cfg.endpoint.account_settlement
+            )
         )
     notice = pending_notice(summary.spend, cfg.endpoint.account_settlement)
     if notice:
@@ -306,7 +308,10 @@ def _finish(stats: dict[str, Any], cfg: PipelineConfig) -> Any:
     if _budget_stopped(generate):
         total = generate["total"]
         message = budget_stop_message(
-            total["run_dir_counted_usd"], cfg.endpoint.max_cost_usd, total["run_dir_pending_usd"]
+            total["run_dir_counted_usd"],
+            cfg.endpoint.max_cost_usd,
+            total["run_dir_pending_usd"],
+            cfg.endpoint.account_settlement,
         )
         mark_budget_stopped(message)
         return Completed(message=f"BudgetStopped: {message}", data=stats)

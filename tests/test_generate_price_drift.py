@@ -81,5 +81,7 @@ def test_the_stop_message_blames_prices_only_for_a_bill_over_the_cap() -> None:
     assert "exclusive_key" in pending and "rerun later" in pending and "raise endpoint.max_cost_usd" in pending
     held = budget_stop_message(4.99, 5.0, pending_usd=3.0)
     assert "never crosses the cap" in held and "pending attempts hold part of it" in held and "exclusive_key" in held
+    settled_by_key = budget_stop_message(7.75, 5.0, pending_usd=7.07, account_settlement="exclusive_key")
+    assert "set endpoint.account_settlement" not in settled_by_key and "the key's usage then settles" in settled_by_key
     billed = budget_stop_message(5.5, 5.0, pending_usd=0.25)
     assert "$0.2500 billed over it: the endpoint billed above the configured" in billed

@@ -603,7 +603,9 @@ class _Run:
         self.uncommitted = 0
 
 
-def budget_stop_message(counted_usd: float, cap_usd: float | None, pending_usd: float = 0.0) -> str:
+def budget_stop_message(
+    counted_usd: float, cap_usd: float | None, pending_usd: float = 0.0, account_settlement: str = "off"
+) -> str:
     """The one explanation of a budget stop, for the CLI, the Prefect state message and the task log. Prices are
     blamed only when what was billed crossed the cap: counted spend over it by pending worst cases alone (a $0.68
     bill under a $5 cap, $7.75 counted) had been put on the provider's prices."""
@@ -617,7 +619,7 @@ def budget_stop_message(counted_usd: float, cap_usd: float | None, pending_usd: 
     return (
         f"stopped at the budget cap: {format_usd(counted_usd)} counted{pending} of endpoint.max_cost_usd="
         f"{format_usd(cap_usd)} ({_why_at_cap(counted_usd, cap_usd, pending_usd)}). Finished samples are committed "
-        f"and will not be sent again; {_how_to_continue(pending_usd)}"
+        f"and will not be sent again; {_how_to_continue(pending_usd, account_settlement)}"
     )
 
 
@@ -646,14 +648,21 @@ def _why_at_cap(counted_usd: float, cap_usd: float | None, pending_usd: float) -
     return f"{how}; unsettled pending attempts hold part of it at worst case" if pending_usd > 0 else how
 
 
-def _how_to_continue(pending_usd: float) -> str:
+def _how_to_continue(pending_usd: float, account_settlement: str) -> str:
+    """The ways on; exclusive_key is suggested only where it is not already set."""
     if pending_usd <= 0:
         return "to continue, raise endpoint.max_cost_usd and rerun."
-    return (
+    rerun = (
         "to continue, rerun later (each run settles the pending attempts the provider's generation records can: a "
-        "request cut mid-generation once endpoint.request_timeout_s + 30 s have passed since it was sent), set "
-        "endpoint.account_settlement: exclusive_key if only this run directory uses the key (its usage settles those "
-        "without a generation id too), or raise endpoint.max_cost_usd."
+        "request cut mid-generation once endpoint.request_timeout_s + 30 s have passed since it was sent"
+    )
+    without_id = "settles those without a generation id too"
+    raise_cap = "or raise endpoint.max_cost_usd."
+    if account_settlement == "exclusive_key":
+        return f"{rerun}; the key's usage then {without_id}), {raise_cap}"
+    return (
+        f"{rerun}), set endpoint.account_settlement: exclusive_key if only this run directory uses the key (its usage "
+        f"{without_id}), {raise_cap}"
     )
 
 
