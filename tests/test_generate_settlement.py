@@ -210,3 +210,38 @@ def test_a_cut_request_is_not_settled_at_zero_where_records_are_not_known_to_be_
     with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
         generate_parts(make_cfg(tmp_path, sim.base_url, tokenizer_dir, "chat", request_timeout_s=60.0), [], MARKERS)
     assert SpendLedger.load(tmp_path).attempts["cut"].state == "pending"
+
+
+def test_an_account_window_still_waiting_is_reported_once(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """The opening and the closing account pass each judged the window holding a cut request whose generation is
+    not over yet, and the run's settlement problems carried the same line twice."""
+    import time
+
+    from tasks.generate.engine import generate_parts
+    from tests.test_generate_failures import MARKERS, make_cfg
+    from tests.test_spend_ledger import acct, segment, sent
+
+    now = time.time()
+    segment(
+        tmp_path,
+        "001",
+        [
+            acct("start", 0.0, now - 2.0),
+            sent("cut", 0.05, t=now - 1.0),
+            {"k": "g", "a": "cut", "g": "gen-still-generating"},
+        ],
+    )
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=9)) as sim:
+        cfg = make_cfg(
+            tmp_path,
+            sim.base_url,
+            tokenizer_dir,
+            "chat",
+            account_settlement="exclusive_key",
+            account_settle_stable_s=0.1,
+        )
+        summary = generate_parts(cfg, [], MARKERS)
+    problems = summary.settlement["problems"]
+    waiting = [p for p in problems if "whose record is not in yet" in p]
+    assert len(waiting) == 1, problems
+    assert SpendLedger.load(tmp_path).attempts["cut"].state == "pending"

@@ -207,6 +207,7 @@ class Settler:
         self._account_started = False
         self._not_found: set[str] = set()
         self._records: bool | None = None
+        self._window_problems: list[str] = []
 
     def count_from_here(self) -> None:
         """The settled_* counters start over: what was settled before the run's budget is in its prior totals."""
@@ -329,7 +330,7 @@ class Settler:
         settlements, problems = account_settlements(
             self.ledger, self.by_generation, self.cfg.endpoint.request_timeout_s
         )
-        self.report.problems.extend(problems)
+        self._replace_window_problems(problems)
         if not settlements:
             return
         worst = sum(self.ledger.attempts[uid].worst_usd for uid, _ in settlements)
@@ -339,6 +340,12 @@ class Settler:
             f"settled {len(settlements)} pending attempts from the key's account usage: {format_usd(worst)} at "
             f"worst case -> {format_usd(sum(c for _, c in settlements))} billed"
         )
+
+    def _replace_window_problems(self, problems: list[str]) -> None:
+        """Each pass judges every account window again: its lines replace the previous pass's, which the run's
+        opening and closing passes had both left in the report (the same line twice)."""
+        self.report.problems = [p for p in self.report.problems if p not in self._window_problems] + problems
+        self._window_problems = problems
 
     async def _account_reading(self, at: Literal["start", "end"]) -> bool:
         """Poll the key until its usage is stable and covers every known answer since the last stable reading, or
