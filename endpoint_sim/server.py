@@ -596,8 +596,9 @@ async def _stream(
     delay = state.config.stream_chunk_delay_s
     if delay > 0:
         sent = 0
+        billed_from = _usage_frame(frames)
         try:
-            for frame in frames[:-1]:
+            for frame in frames[:billed_from]:
                 await response.write(frame.encode())
                 sent += 1
                 await asyncio.sleep(delay)
@@ -607,7 +608,7 @@ async def _stream(
         except ConnectionResetError:
             _bill_cut(state, admitted, meta, prompt_tokens, billed, True, sent / len(frames))
             return response
-        frames = frames[-1:]
+        frames = frames[billed_from:]
     _record(state, admitted, meta, prompt_tokens, billed, streamed=True)
     try:
         await response.write("".join(frames).encode())
@@ -618,6 +619,13 @@ async def _stream(
         return response
     await response.write_eof()
     return response
+
+
+def _usage_frame(frames: list[str]) -> int:
+    """Where the bill is written before the rest goes out: the usage chunk (it quotes the cost), else the last
+    frame. A usage chunk sent before its bill was written let a simulator killed between the two hand the client
+    a cost its own ledger never recorded."""
+    return next((i for i, frame in enumerate(frames) if '"usage"' in frame), max(len(frames) - 1, 0))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

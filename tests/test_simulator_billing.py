@@ -115,3 +115,20 @@ def test_the_bill_survives_a_restart_on_the_same_port_and_ids_never_repeat(
         assert key(again.base_url)["usage"] == pytest.approx(ledger["total_usd"])
     finally:
         again.stop()
+
+
+def test_a_streamed_answers_cost_reaches_the_client_only_once_it_is_billed(
+    tokenizer_dir: Path, responder: Responder
+) -> None:
+    """With a delay between chunks the usage chunk, which quotes the cost, went out before the bill was written:
+    a simulator killed between the two had handed clients 189 costs its own ledger never recorded, and a probe
+    read the product's exact ledger as an over-count. The bill is written first."""
+    with simulator(tokenizer_dir, responder, SimConfig(seed=3, stream_chunk_delay_s=0.02)) as sim:
+        body = {"model": "m", "messages": [{"role": "user", "content": "billed before quoted"}], "stream": True}
+        with httpx.stream("POST", f"{sim.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if '"usage"' in line:
+                    assert sim.billing()["total_usd"] > 0, "the cost was quoted before it was billed"
+                    break
+            else:
+                pytest.fail("no usage chunk")
