@@ -237,3 +237,23 @@ def test_a_window_held_for_a_cut_stream_settles_once_a_reading_follows_the_end_o
     ledger = SpendLedger.load(tmp_path)
     settled, problems = account_settlements(ledger, records_settle_ids=True, request_timeout_s=100.0)
     assert problems == [] and dict(settled) == pytest.approx({"a:1": 0.25, "a:2": 0.25})
+
+
+def test_a_lower_timeout_on_a_rerun_does_not_end_a_generation_sent_under_a_higher_one(tmp_path: Path) -> None:
+    """A cut request's generation counts as over request_timeout_s + 30 s after it was sent, and then settles at
+    $0 when no record came. The timeout was read from the config of the run doing the settling: a rerun with
+    900 s lowered to 60 s declared generations over that could still run, and a bill written later was lost. Each
+    attempt keeps the timeout it was sent under; the longer of the two applies."""
+    import time
+
+    from tasks.generate.settlement import generation_over
+
+    writer = LedgerWriter(tmp_path, group_commit_s=0.0)
+    uid = writer.sent("s1", "demo", 0, 0.01, timeout_s=900.0)
+    writer.ended(uid, "pending", None, "gen-1", "connection")
+    writer.close()
+    attempt = SpendLedger.load(tmp_path).attempts[uid]
+    assert attempt.timeout_s == 900.0
+    now = time.time() + 120.0
+    assert not generation_over(attempt, now, timeout_s=60.0), "the rerun's lower timeout ended it"
+    assert generation_over(attempt, now + 900.0, timeout_s=60.0)

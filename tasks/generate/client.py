@@ -830,7 +830,8 @@ class EndpointClient:
         uid = None
         if self.ledger is not None and tag is not None:
             try:
-                uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, worst_usd)
+                timeout_s = self.cfg.endpoint.request_timeout_s
+                uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, worst_usd, timeout_s)
             except BaseException:
                 self.window.release()
                 if trial:

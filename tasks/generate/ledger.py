@@ -17,7 +17,8 @@ A pending amount is never shown as spent: every surface shows `billed_usd` and `
 
 Layout: <run_dir>/spend/ledger-<token>.log, one segment per generate run (`tasks.generate.journal` framing).
 Records (compact keys, JSON):
-  {"k": "s", "a": uid, "id": sample_id, "d": dataset, "p": part, "w": worst_usd, "t": wall_time}   sent
+  {"k": "s", "a": uid, "id": sample_id, "d": dataset, "p": part, "w": worst_usd, "t": wall_time,
+   "to": request_timeout_s}                                     sent
   {"k": "g", "a": uid, "g": generation_id}                      the id, as soon as it is known (first chunk)
   {"k": "b", "a": uid, "o": outcome, "c": cost_usd | null, "g": generation_id | null, "r": reason | null}  ended
   {"k": "r", "a": uid, "c": cost_usd, "src": SettledBy}         a pending attempt settled
@@ -70,6 +71,9 @@ class Attempt:
     estimate_usd: float | None = None
     """An answer that carried no usage.cost, pending its generation record: its configured prices' figure, what it
     is settled at when the endpoint turns out to keep no records."""
+    timeout_s: float | None = None
+    """`endpoint.request_timeout_s` when it was sent (absent in ledgers written before it was recorded): how long
+    its generation could run, whatever a later run's config says."""
 
     @property
     def state(self) -> AttemptState:
@@ -176,7 +180,9 @@ class SpendLedger:
         """Fold one record in; False when it names an attempt not seen yet (the caller may apply it later)."""
         kind = rec.get("k")
         if kind == "s":
-            self.attempts[rec["a"]] = Attempt(rec["id"], rec["d"], rec["p"], rec["w"], rec.get("t"))
+            self.attempts[rec["a"]] = Attempt(
+                rec["id"], rec["d"], rec["p"], rec["w"], rec.get("t"), timeout_s=rec.get("to")
+            )
             return True
         if kind == "f":
             self.deterministic[rec["id"]] = (rec["r"], rec["fp"])
@@ -256,9 +262,12 @@ class LedgerWriter:
         self.log = AppendLog(ledger_dir(run_dir) / f"ledger-{self.token}.log", group_commit_s)
         self._ids = itertools.count()
 
-    def sent(self, sample_id: str, dataset: str, part: int, worst_usd: float) -> str:
+    def sent(self, sample_id: str, dataset: str, part: int, worst_usd: float, timeout_s: float | None = None) -> str:
         uid = f"{self.token}:{next(self._ids)}"
-        rec = {"k": "s", "a": uid, "id": sample_id, "d": dataset, "p": part, "w": worst_usd, "t": time.time()}
+        rec: dict[str, Any] = {"k": "s", "a": uid, "id": sample_id, "d": dataset, "p": part, "w": worst_usd}
+        rec["t"] = time.time()
+        if timeout_s is not None:
+            rec["to"] = timeout_s
         self.log.write_now(rec)
         return uid
 

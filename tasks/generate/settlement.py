@@ -455,8 +455,10 @@ def generation_over(attempt: Attempt, now: float, timeout_s: float) -> bool:
 
 
 def _generation_end(attempt: Attempt, timeout_s: float) -> float:
-    """When the generation of an attempt has surely ended and its record, if any, is written."""
-    return (attempt.sent_at or 0.0) + timeout_s + ABSENT_RECORD_GRACE_S
+    """When the generation of an attempt has surely ended and its record, if any, is written. The longer of the
+    timeout it was sent under and today's: a rerun with a lower `endpoint.request_timeout_s` must not declare a
+    generation over that may still be running, and settle it at $0 before the provider bills it."""
+    return (attempt.sent_at or 0.0) + max(attempt.timeout_s or 0.0, timeout_s) + ABSENT_RECORD_GRACE_S
 
 
 def pending_notice(spend: dict[str, Any], account_settlement: str) -> str | None:
