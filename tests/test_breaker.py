@@ -184,14 +184,21 @@ def test_failures_in_a_row_while_the_probe_answers_open_the_breaker_for_one_tria
         endpoint.down = False
         breaker = endpoint.breaker()
         verdicts = [
-            await breaker.judge(time.monotonic(), answered_since=True, trial=False, error="HTTP 503")
+            await breaker.judge(
+                time.monotonic(), answered_since=True, trial=False, error="HTTP 503", status_answer=True
+            )
             for _ in range(breaker.trip_after)
         ]
         assert verdicts == [False] * (breaker.trip_after - 1) + [True], "the burst's failures were not free"
         assert breaker.state == "trial" and endpoint.events == ["outage_start"]
         assert breaker.take() is True and breaker.take() is None, "more than one trial request went out"
         for _ in range(4):  # each probe step lets one more trial through, every probe_min_s
-            assert await breaker.judge(time.monotonic(), answered_since=False, trial=True, error="HTTP 503") is False
+            assert (
+                await breaker.judge(
+                    time.monotonic(), answered_since=False, trial=True, error="HTTP 503", status_answer=True
+                )
+                is False
+            )
             assert breaker.state == "open" and not breaker.sendable()
             for _ in range(100):
                 await asyncio.sleep(0.005)
@@ -200,7 +207,7 @@ def test_failures_in_a_row_while_the_probe_answers_open_the_breaker_for_one_tria
             assert breaker.state == "trial" and breaker.take() is True
         assert endpoint.probes <= 2 + 4 + 1
         started = time.monotonic()
-        await breaker.judge(time.monotonic(), answered_since=False, trial=True, error="HTTP 503")
+        await breaker.judge(time.monotonic(), answered_since=False, trial=True, error="HTTP 503", status_answer=True)
         while breaker.state != "trial":
             await asyncio.sleep(0.001)
         assert time.monotonic() - started < 0.05, "trials backed off while the probe says up"
@@ -226,16 +233,39 @@ def test_answers_to_streams_sent_before_a_burst_do_not_reset_its_count() -> None
         await asyncio.sleep(0.001)
         verdicts = []
         for _ in range(breaker.trip_after):
-            verdicts.append(await breaker.judge(time.monotonic(), answered_since=True, trial=False, error="HTTP 503"))
+            verdicts.append(
+                await breaker.judge(
+                    time.monotonic(), answered_since=True, trial=False, error="HTTP 503", status_answer=True
+                )
+            )
             breaker.alive(before_burst)  # an old stream finishes between two failures
         assert verdicts[-1] is True and breaker.state == "trial", verdicts
         await breaker.close()
 
         fresh = endpoint.breaker()
         first = time.monotonic()
-        assert await fresh.judge(first, answered_since=True, trial=False, error="HTTP 503") is False
+        assert await fresh.judge(first, answered_since=True, trial=False, error="HTTP 503", status_answer=True) is False
         fresh.alive(time.monotonic())  # sent after the failure and answered: the endpoint serves new requests
         assert fresh.failures_in_a_row == 0
         await fresh.close()
+
+    asyncio.run(scenario())
+
+
+def test_timeouts_in_a_row_while_the_probe_answers_stay_each_samples_own() -> None:
+    """An endpoint too slow for request_timeout_s answers its liveness probe and times every request out: that
+    is not a refusal, and one trial at a time, each a whole timeout long, would crawl through the samples. Only
+    502-504 answers in a row open the breaker on the probe's word "up"."""
+
+    async def scenario() -> None:
+        endpoint = Endpoint()
+        endpoint.down = False
+        breaker = endpoint.breaker()
+        verdicts = [
+            await breaker.judge(time.monotonic(), answered_since=True, trial=False, error="request timed out")
+            for _ in range(breaker.trip_after + 2)
+        ]
+        assert verdicts == [False] * (breaker.trip_after + 2) and breaker.state == "closed"
+        await breaker.close()
 
     asyncio.run(scenario())

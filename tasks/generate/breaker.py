@@ -9,14 +9,15 @@ States:
 - `closed`: requests flow.
 - `suspect`: an outage-class failure (transport error, 502-504) arrived with no answer since it was sent, or
   `trip_after` of them in a row: new sends wait for one probe. Down: open. Up: closed again, unless `trip_after`
-  failures came in a row with no answer in between: then open ("failing while up"), with one trial request at
+  502-504 answers came in a row with no answer in between: then open ("failing while up"), with one trial request at
   once and then one per `probe_min_s` (no back-off: the probe says up). A provider's burst of 503s while its model
   listing still answers (OpenRouter's liveness URL) had used up every attempt of 858 of 2,000 samples in 60 s;
   now the failures while it is open are free, and a failed trial uses up its own sample's attempt: from the
   client's side a burst looks like a few samples the endpoint fails every time with nothing else left to send,
   which, all free, would have stopped the run after `outage_abort_s` instead of failing them. A burst then
   costs one attempt per trial, spread over the waiting samples. A lone failure among answers still counts as
-  its sample's own.
+  its sample's own, and so do timeouts and resets while the probe answers: an endpoint too slow for
+  `request_timeout_s` is not one that refuses, and trials of a whole timeout each would crawl.
 - `open`: an outage. No sends; a probe at growing intervals. A probe that finds the endpoint up lets exactly one
   real request through (`trial`), since a liveness URL can answer while completions still fail.
 - `trial`: that one request is out. Its answer closes the breaker; its outage-class failure reopens it.
@@ -82,6 +83,7 @@ class CircuitBreaker:
         self._abort: EndpointUnavailableError | None = None
         self._failing_up = False
         self._streak_sent_at: float | None = None
+        self._statuses_in_a_row = 0
         self._last_error = ""
 
     # --- senders ----------------------------------------------------------------------------------------------
@@ -124,6 +126,7 @@ class CircuitBreaker:
         (one per stream in flight) before the breaker opened."""
         if self._streak_sent_at is None or sent_at >= self._streak_sent_at:
             self.failures_in_a_row = 0
+            self._statuses_in_a_row = 0
             self._streak_sent_at = None
         if self.state == "closed":
             return
@@ -132,11 +135,15 @@ class CircuitBreaker:
             return
         self._close()
 
-    async def judge(self, sent_at: float, answered_since: bool, trial: bool, error: str) -> bool:
+    async def judge(
+        self, sent_at: float, answered_since: bool, trial: bool, error: str, status_answer: bool = False
+    ) -> bool:
         """An outage-class failure of a request sent at `sent_at`: True when the endpoint is down (the attempt
-        is free and the sender just waits for the breaker), False when it answers (the sample's own failure)."""
+        is free and the sender just waits for the breaker), False when it answers (the sample's own failure).
+        `status_answer`: the endpoint answered 502-504 (not a timeout or a reset)."""
         self._last_error = error
         self.failures_in_a_row += 1
+        self._statuses_in_a_row = self._statuses_in_a_row + 1 if status_answer else 0
         if self._streak_sent_at is None:
             self._streak_sent_at = sent_at
         if trial:
@@ -154,7 +161,7 @@ class CircuitBreaker:
         if down:
             self._open()
             return True
-        if self.failures_in_a_row >= self.trip_after:
+        if self._statuses_in_a_row >= self.trip_after:
             self._open(probe_up=True)
             self._failing_up = True
             self._allow_trial()

@@ -687,7 +687,7 @@ class EndpointClient:
                 self._ended(uid, outcome, exc.billed, exc.generation_id, exc.reason, worst)
                 cost += exc.billed or 0.0  # the row's known cost; the ledger counts a pending one at worst case
                 outage = exc.reason in OUTAGE_REASONS and await breaker.judge(
-                    sent_at, self.successes != successes_before, trial, str(exc)
+                    sent_at, self.successes != successes_before, trial, str(exc), exc.reason.startswith("http_")
                 )
                 charged += not (outage or outcome == "unsent")
                 if charged >= ep.max_attempts:
