@@ -154,6 +154,21 @@ def test_the_pending_notice_names_the_amount_and_what_settles_it() -> None:
     assert pending_notice({**spend, "pending_attempts": 0}, "off") is None
 
 
+def window_with_a_cut_stream(reason: str) -> list[dict[str, object]]:
+    """One account window: an answer billed $1, a cut request with a generation id (`reason`), and one cut
+    before its id arrived."""
+    return [
+        acct("start", 0.0, 1.0),
+        sent("a:0", 1.0, t=2.0),
+        {"k": "b", "a": "a:0", "o": "answered", "c": 1.0, "g": "g0", "r": None},
+        sent("a:1", 1.0, t=3.0),
+        {"k": "b", "a": "a:1", "o": "pending", "c": None, "g": "g1", "r": reason},
+        sent("a:2", 1.0, t=3.5),
+        {"k": "b", "a": "a:2", "o": "pending", "c": None, "g": None, "r": "connection"},
+        acct("end", 1.0, 4.0),
+    ]
+
+
 def test_a_window_with_attempts_awaiting_their_generation_records_is_left_to_those_records(tmp_path: Path) -> None:
     """A provider that cannot cancel a cut stream bills it when the model finishes, after the key's usage looked
     stable: the window read $0 for 7 cut streams billed $0.81 (a billing probe), and the cap was crossed. With
@@ -161,16 +176,7 @@ def test_a_window_with_attempts_awaiting_their_generation_records_is_left_to_tho
     segment(
         tmp_path,
         "001",
-        [
-            acct("start", 0.0, 1.0),
-            sent("a:0", 1.0, t=2.0),
-            {"k": "b", "a": "a:0", "o": "answered", "c": 1.0, "g": "g0", "r": None},
-            sent("a:1", 1.0, t=3.0),
-            {"k": "b", "a": "a:1", "o": "pending", "c": None, "g": "g1", "r": "stream_idle"},
-            sent("a:2", 1.0, t=3.5),
-            {"k": "b", "a": "a:2", "o": "pending", "c": None, "g": None, "r": "connection"},
-            acct("end", 1.0, 4.0),
-        ],
+        window_with_a_cut_stream("stream_idle"),
     )
     ledger = SpendLedger.load(tmp_path)
     settled, problems = account_settlements(ledger, records_settle_ids=True)
@@ -216,14 +222,7 @@ def test_a_window_held_for_a_cut_stream_settles_once_a_reading_follows_the_end_o
         tmp_path,
         "001",
         [
-            acct("start", 0.0, 1.0),
-            sent("a:0", 1.0, t=2.0),
-            {"k": "b", "a": "a:0", "o": "answered", "c": 1.0, "g": "g0", "r": None},
-            sent("a:1", 1.0, t=3.0),
-            {"k": "b", "a": "a:1", "o": "pending", "c": None, "g": "g1", "r": "connection"},
-            sent("a:2", 1.0, t=3.5),
-            {"k": "b", "a": "a:2", "o": "pending", "c": None, "g": None, "r": "connection"},
-            acct("end", 1.0, 4.0),
+            *window_with_a_cut_stream("connection"),
             acct("start", 1.5, 50.0),
             sent("b:0", 1.0, t=51.0),
             {"k": "b", "a": "b:0", "o": "answered", "c": 0.25, "g": "g2", "r": None},
