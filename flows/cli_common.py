@@ -19,12 +19,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from flows.exit_codes import EPHEMERAL_STARTUP_DEFAULT_S, EPHEMERAL_STARTUP_SETTING
+
 DEBUG = False
 """Set by `--debug` (`flows.cli.main`): errors come with their traceback and Prefect's own log is left as it is."""
 
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_UI_ENABLED": "false",
+    # Prefect's 20 s for its embedded server to answer: it starts in 7-14 s on an idle 2-core machine, and
+    # `make demo-real` beside three other jobs gave up at 20 s (exit 7) before anything ran.
+    EPHEMERAL_STARTUP_SETTING: str(EPHEMERAL_STARTUP_DEFAULT_S),
 }
 
 

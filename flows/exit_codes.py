@@ -14,6 +14,8 @@ from enum import IntEnum
 from typing import Any
 
 EPHEMERAL_STARTUP_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+EPHEMERAL_STARTUP_DEFAULT_S = 120
+"""Ours, where the environment sets none (Prefect's own is 20 s)."""
 EPHEMERAL_TIMEOUT_TEXT = "Timed out while attempting to connect to ephemeral Prefect API server"
 """What Prefect 3 raises (a RuntimeError) when the embedded server it starts for a flow run does not answer within
 its startup timeout: a loaded machine, not a bug, yet it was reported as an internal error."""
@@ -110,9 +112,13 @@ def ephemeral_timeout_line() -> str:
 
     current = os.environ.get(EPHEMERAL_STARTUP_SETTING)
     within = f"{current} s ({EPHEMERAL_STARTUP_SETTING})" if current else f"20 s ({EPHEMERAL_STARTUP_SETTING} unset)"
+    try:
+        raised = max(2 * int(float(current or 20)), EPHEMERAL_STARTUP_DEFAULT_S)
+    except ValueError:
+        raised = EPHEMERAL_STARTUP_DEFAULT_S
     return (
         f"Prefect's embedded API server did not answer within {within} of being started, a loaded machine: raise "
-        f"it (e.g. {EPHEMERAL_STARTUP_SETTING}=120) or start a server (prefect server start) and point "
+        f"it (e.g. {EPHEMERAL_STARTUP_SETTING}={raised}) or start a server (prefect server start) and point "
         "PREFECT_API_URL at it, then rerun the same command (it resumes)"
     )
 

@@ -366,3 +366,22 @@ def test_prefects_embedded_server_not_starting_in_time_is_one_line_with_its_reme
     assert code == ExitCode.PREFECT_SERVER == 7 and len(err.splitlines()) == 1, err
     assert "within 0 s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)" in err and "PREFECT_API_URL" in err
     assert "internal error" not in err
+
+
+def test_the_commands_give_prefects_embedded_server_two_minutes_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefect's 20 s were too few for its embedded server beside three other jobs on 2 cores: `make demo-real`
+    exited 7 before anything ran. The commands' default is 120 s; a value the user set is kept."""
+    import os
+
+    from flows.cli_common import prefect_env
+    from flows.exit_codes import EPHEMERAL_STARTUP_SETTING
+
+    monkeypatch.setenv(EPHEMERAL_STARTUP_SETTING, "set-so-that-undo-removes-it")
+    monkeypatch.delenv(EPHEMERAL_STARTUP_SETTING)
+    prefect_env()
+    assert os.environ[EPHEMERAL_STARTUP_SETTING] == "120"
+    monkeypatch.setenv(EPHEMERAL_STARTUP_SETTING, "45")
+    prefect_env()
+    assert os.environ[EPHEMERAL_STARTUP_SETTING] == "45"
