@@ -212,6 +212,31 @@ def test_a_cut_request_is_not_settled_at_zero_where_records_are_not_known_to_be_
     assert SpendLedger.load(tmp_path).attempts["cut"].state == "pending"
 
 
+def test_a_cut_request_is_settled_at_zero_by_the_run_whose_answers_prove_records_kept(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """A killed run left only a cut request (an id, no paid answer): the rerun's opening pass has no evidence that
+    the endpoint keeps records. Its answers are that evidence; the closing pass read the first pass's "no" back
+    and left the cut request pending at worst case for another run."""
+    import time
+
+    from tasks.common.shards import PartRef
+    from tasks.generate.engine import generate_parts
+    from tests.test_generate_failures import MARKERS, make_cfg, question, write_prompts
+    from tests.test_spend_ledger import segment, sent
+
+    segment(tmp_path, "001", [sent("cut", 0.05, t=time.time() - 200.0), {"k": "g", "a": "cut", "g": "gen-never"}])
+    write_prompts(tmp_path, [question("proof", i) for i in range(2)])
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
+        cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "chat", request_timeout_s=60.0)
+        generate_parts(cfg, [PartRef(tmp_path, "prompts", 0)], MARKERS)
+        provider = sim.billing()["total_usd"]
+    ledger = SpendLedger.load(tmp_path)
+    assert ledger.attempts["cut"].settled_by == "no_record" and ledger.attempts["cut"].billed_usd == 0.0
+    totals = ledger.totals()
+    assert totals.pending_attempts == 0 and totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
 def test_an_account_window_still_waiting_is_reported_once(tmp_path: Path, tokenizer_dir: Path) -> None:
     """The opening and the closing account pass each judged the window holding a cut request whose generation is
     not over yet, and the run's settlement problems carried the same line twice."""

@@ -793,12 +793,25 @@ class EndpointClient:
             self._records_probe = asyncio.get_running_loop().create_future()
             try:
                 cost = await self.lookup_cost(generation_id, RECORDS_PROBE_DELAYS_S)
-                self._records = "no" if cost is None else "yes"
+                if cost is not None:
+                    self._records = "yes"
+                elif self._records == "unknown":
+                    self._records = "no"
                 return cost
             finally:
                 self._records_probe.set_result(None)
                 self._records_probe = None
         return await self.lookup_cost(generation_id) if self._records == "yes" else None
+
+    def keeps_records(self) -> bool | None:
+        """Whether the endpoint keeps generation records, as far as this run has learned it (None: not yet). One
+        answer to the question for the whole run: the settlement passes ask it before settling a missing record
+        at $0, and tell it what they read back (`saw_record`), so neither side probes what the other has proven."""
+        return None if self._records == "unknown" else self._records == "yes"
+
+    def saw_record(self) -> None:
+        """A generation record was read back: the endpoint keeps them, and no answer needs the 60-s probe."""
+        self._records = "yes"
 
     def _learn_prices(self, reserve: float, billed: float | None, result: GenerationResult | None) -> None:
         """Worst cases count at the prices the endpoint bills when they are above the config's: an answer's cost

@@ -206,7 +206,6 @@ class Settler:
         self.settled_attempts = 0
         self._account_started = False
         self._not_found: set[str] = set()
-        self._records: bool | None = None
         self._window_problems: list[str] = []
 
     def count_from_here(self) -> None:
@@ -290,8 +289,12 @@ class Settler:
 
         found = await asyncio.gather(*(one(uid, gid) for uid, gid, _ in pending))
         settled = [(uid, c, src) for (uid, _, _), (c, src) in zip(pending, found, strict=True) if c is not None]
-        if remember_misses:
-            self._not_found.update(uid for (uid, _, _), (c, _) in zip(pending, found, strict=True) if c is None)
+        if remember_misses:  # a generation over while records were unproven is looked up again once they are
+            self._not_found.update(
+                uid
+                for (uid, _, _), (c, _) in zip(pending, found, strict=True)
+                if c is None and (records_kept or not generation_over(self.ledger.attempts[uid], now, timeout_s))
+            )
         worst = sum(self.ledger.attempts[uid].worst_usd for uid, _, _ in settled)
         for uid, cost, src in settled:
             self._record(uid, cost, src)
@@ -300,6 +303,8 @@ class Settler:
             self.report.problems.append(
                 f"{missing} pending attempts have a generation id the provider has no record of (yet)"
             )
+        if any(src == "generation" for _, _, src in settled):
+            self.client.saw_record()
         if settled:
             self._event(
                 f"settled {len(settled)} pending attempts from the provider's generation records: "
@@ -311,10 +316,13 @@ class Settler:
         over means it was not billed. An endpoint that keeps none (a vendor billing per token, a local server)
         404s every id, and $0 there would under-count its bill: only a record read back proves it. Evidence: an
         attempt already settled from a paid record, else one lookup of this directory's oldest paid answer
-        (indexed long since). Unknown (nothing paid with an id, the lookup failed): no."""
-        if self._records is None:
-            self._records = await self._find_a_record()
-        return self._records
+        (indexed long since). Unknown (nothing paid with an id, the lookup failed): no, for this pass. What the
+        client learned from this run's answers (`EndpointClient.keeps_records`) comes first."""
+        known = self.client.keeps_records()
+        if known is None and await self._find_a_record():
+            self.client.saw_record()
+            return True
+        return bool(known)
 
     async def _find_a_record(self) -> bool:
         paid = [a for a in self.ledger.attempts.values() if a.generation_id and (a.cost_usd or 0.0) > 0]
