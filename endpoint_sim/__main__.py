@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
     parser.add_argument("--torch-threads", type=int, default=1, help="--model-backend: intra-op threads")
     parser.add_argument("--model-name", help="the model name the server answers to and prices (models listing)")
     parser.add_argument(
+        "--refuse-other-models",
+        action="store_true",
+        help="answer a chat request for another model as OpenRouter does: HTTP 400 '<model> is not a valid model ID'",
+    )
+    parser.add_argument(
         "--billing-file",
         type=Path,
         help="keep the bill (and generation records) in this file; a simulator restarted on it continues it",
@@ -81,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, SimCo
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.auth_fail_all:
         data["auth_fail_all"] = True
+    if args.refuse_other_models:
+        data["refuse_other_models"] = True
     if args.fail:
         data["failures"] = [*data.get("failures", []), *(_failure(spec).model_dump() for spec in args.fail)]
     return args, SimConfig.model_validate(data)

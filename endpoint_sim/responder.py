@@ -123,6 +123,11 @@ class SimConfig(BaseModel):
 
     seed: int = 0
     model_name: str = "sim/deepseek-v4-sim"
+    refuse_other_models: bool = Field(
+        default=False,
+        description="A chat request naming a model other than model_name gets OpenRouter's answer to a wrong model "
+        "id: HTTP 400 '<model> is not a valid model ID' (left False, any name is answered).",
+    )
     providers: tuple[str, ...] = ("SimProviderA", "SimProviderB")
     reasoning_words: tuple[int, int] = (20, 80)
     content_words: tuple[int, int] = (10, 60)

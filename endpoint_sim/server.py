@@ -486,6 +486,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     ):
         return state.respond(400, _error(400, "messages must be a non-empty list of {role, content} strings"))
+    if state.config.refuse_other_models and body.get("model") != state.config.model_name:
+        return state.respond(400, _error(400, f"{body.get('model')} is not a valid model ID"))
     try:
         seed = _int_or_none(body.get("seed"), "seed")
         max_tokens = _int_or_none(body.get("max_tokens", body.get("max_completion_tokens")), "max_tokens")

@@ -37,7 +37,8 @@ EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.INTERNAL: "internal error: a bug; rerun with --debug and report the traceback",
     ExitCode.USER: "fix the input: config, dataset, tokenizer, run directory, disk space, permissions, missing outputs",
     ExitCode.BUDGET: "budget: stopped at endpoint.max_cost_usd, or the estimate's low end already exceeds it",
-    ExitCode.ENDPOINT: "endpoint unavailable or refusing the run (unreachable, 401/403/404, 402 no credit)",
+    ExitCode.ENDPOINT: "endpoint unavailable or refusing the run (unreachable, 401/403/404, 402 no credit, "
+    "unknown model id)",
     ExitCode.GATES: "validation gates crossed (failed samples or mismatches beyond validation.* limits), or a "
     "provider the target scores worse than the others (scoring.parity_gate: fail)",
     ExitCode.STAGES_DISAGREE: "stages disagree: the run directory's stages do not hold the same samples (status)",

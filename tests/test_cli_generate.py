@@ -146,3 +146,23 @@ def test_a_refused_key_exits_4_with_the_message_and_no_traceback(
     assert refused.returncode == 4  # flows/exit_codes.py: endpoint refused the run
     assert "401" in refused.stderr and "Traceback" not in refused.stderr
     assert wrong not in refused.stdout + refused.stderr
+
+
+def test_a_model_id_the_provider_does_not_know_exits_4_after_the_first_window(
+    tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OpenRouter answers a wrong model id with HTTP 400 "<model> is not a valid model ID". Read as each sample's
+    own failure, every prompt was sent only to be refused, the run exited 5 on its gates, and the provider's words
+    were only in failed_samples.jsonl."""
+    config = write_config(tmp_path, sim, tokenizer_dir, model="moonshotai/kimi-k2.5-typo")
+    before = sim.stats(with_keys=False)["total_requests"]
+    sim.update_config(refuse_other_models=True)
+    try:
+        refused = generate_here(capsys, config, "--no-progress")
+    finally:
+        sim.update_config(refuse_other_models=False)
+    assert refused.returncode == 4, refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "moonshotai/kimi-k2.5-typo is not a valid model ID" in errors[0] and "endpoint.model" in errors[0]
+    assert sim.stats(with_keys=False)["total_requests"] - before <= 4  # the first window (max_in_flight) only

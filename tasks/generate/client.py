@@ -75,6 +75,9 @@ OUTAGE_REASONS = frozenset({"connect", "connection", "timeout", "http_502", "htt
 GENERATION_ID_HEADER = "X-Generation-Id"
 # Connection failures raised while a new connection is established, before the request is written: `unsent`.
 NEVER_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+UNKNOWN_MODEL_HINTS = ("not a valid model", "model_not_found", "model does not exist", "unknown model", "invalid model")
+"""A 400 naming the model itself as wrong: OpenRouter's "<model> is not a valid model ID" (HTTP 400, as its users
+quote it), OpenAI's `model_not_found`. Read as one sample's failure, 100,000 prompts were each sent to be refused."""
 CONTEXT_LENGTH_HINTS = ("context length", "context_length", "maximum context", "context window", "too many tokens")
 # Window regrowth per healthy answer: from half of 2,000 back to 2,000 in ~4,000 answers (seconds at full rate).
 GROWTH_PER_SUCCESS = 0.25
@@ -1028,11 +1031,18 @@ class EndpointClient:
         its bill unrecorded and the spend went to 1.9x the cap."""
         wait = parse_retry_after(retry_after)
         billed = None if generation_id or status in UPSTREAM_TIMEOUT_STATUS else 0.0
-        if _refuses_run(status, retry_after):
-            what = {401: "unauthorized", 402: "payment required", 403: "forbidden", 404: "not found"}[status]
+        unknown_model = status == 400 and any(hint in snippet.lower() for hint in UNKNOWN_MODEL_HINTS)
+        if _refuses_run(status, retry_after) or unknown_model:
+            what = {
+                400: "unknown model",
+                401: "unauthorized",
+                402: "payment required",
+                403: "forbidden",
+                404: "not found",
+            }[status]
             hint = (
                 "check endpoint.base_url and endpoint.model (and provider pinning)"
-                if status == 404
+                if status in (400, 404)
                 else "check endpoint.api_key / endpoint.api_key_env and the account's credit"
             )
             self._fatal = FatalEndpointError(
