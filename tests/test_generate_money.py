@@ -587,3 +587,40 @@ def test_a_kill_while_answers_wait_for_their_records_loses_none_and_the_rerun_se
     totals = SpendLedger.load(tmp_path / "run").totals()
     assert totals.pending_attempts == 0 and totals.settled_by["generation"] >= len(read_before_kill)
     assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("base_url", "own"),
+    [
+        ("http://127.0.0.1:30000", True),
+        ("http://localhost:8000/v1", True),
+        ("http://10.0.3.7:30000", True),
+        ("https://openrouter.ai/api", False),
+        ("http://gpu-box:8000", False),
+    ],
+)
+def test_a_run_without_a_cap_on_someone_elses_endpoint_says_so_once(
+    base_url: str, own: bool, tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README's OpenRouter example had no `max_cost_usd`, and a run copied from it spent with no word that nothing
+    capped it. A server on one's own network (loopback, private address) costs nothing per token: no line."""
+    import tasks.generate.engine as engine
+    from tasks.common.shards import PartRef
+    from tasks.generate.progress import RunEvent, add_event_listener
+    from tests.test_generate_failures import MARKERS, make_cfg, question, write_prompts
+
+    assert engine.on_this_network(make_cfg(tmp_path, base_url, tokenizer_dir, "chat")) is own
+    write_prompts(tmp_path, [question("cap", i) for i in range(2)])
+    events: list[RunEvent] = []
+    remove = add_event_listener(events.append)
+    monkeypatch.setattr(engine, "on_this_network", lambda cfg: own)  # the simulator itself is on loopback
+    try:
+        with SimulatorServer(tokenizer_dir, SimConfig(seed=3)) as sim:
+            cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "chat")
+            engine.generate_parts(cfg, [PartRef(tmp_path, "prompts", 0)], MARKERS)
+            engine.generate_parts(cfg, [PartRef(tmp_path, "prompts", 0)], MARKERS)  # nothing left to send
+    finally:
+        remove()
+    warned = [e for e in events if e.kind == "no_cap"]
+    assert len(warned) == (0 if own else 1), events
+    assert own or "endpoint.max_cost_usd is unset" in warned[0].message

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import shutil
 import time
@@ -29,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
@@ -701,6 +703,19 @@ async def _report_progress(run: _Run, listeners: list[Listener] | None, every_s:
         await asyncio.to_thread(emit, run.snapshot(), listeners)
 
 
+def on_this_network(cfg: PipelineConfig) -> bool:
+    """Whether the endpoint is a server of one's own (loopback or a private address: a local SGLang or vLLM,
+    costing nothing per token), where a run without `max_cost_usd` is expected rather than an oversight."""
+    host = urlsplit(cfg.endpoint.base_url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_private
+
+
 async def _generate_async(
     cfg: PipelineConfig,
     states: list[_PartState],
@@ -727,6 +742,16 @@ async def _generate_async(
             listed = await asyncio.to_thread(listed_price_factor, cfg.endpoint)
             if listed is not None:
                 client.budget.raise_prices(*listed)
+        elif cfg.endpoint.kind == "openai_chat" and any(s.todo for s in states) and not on_this_network(cfg):
+            emit_event(
+                RunEvent(
+                    "no_cap",
+                    f"endpoint.max_cost_usd is unset: nothing stops this run's spend at {cfg.endpoint.base_url}; "
+                    "to cap a paid endpoint set it with endpoint.price_prompt_usd_per_mtok and "
+                    "price_completion_usd_per_mtok (the model's prices)",
+                    0.0,
+                )
+            )
         settler.count_from_here()
         run = _Run(cfg, states, client, journal, ledger, listener, prior, settler)
         reporter = asyncio.create_task(_report_progress(run, listeners, cfg.endpoint.progress_every_s))

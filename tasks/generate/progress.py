@@ -95,7 +95,7 @@ class ProgressSnapshot:
 Listener = Callable[[ProgressSnapshot], None]
 
 RunEventKind = Literal[
-    "outage_start", "outage_end", "budget_stop", "settled", "price_drift", "unreconciled", "account_wait"
+    "outage_start", "outage_end", "budget_stop", "settled", "price_drift", "unreconciled", "account_wait", "no_cap"
 ]
 
 
@@ -119,6 +119,7 @@ EVENT_LABELS: dict[str, str] = {
     "price_drift": "billed above the configured prices",
     "unreconciled": "costs not reconciled",
     "account_wait": "key's account",
+    "no_cap": "no cost cap",
 }
 
 
