@@ -36,7 +36,12 @@ class DatasetConfig(StrictModel):
     path: Path
     file_format: Literal["auto", "jsonl", "parquet"] = "auto"
     shape: Literal["auto", "messages", "sharegpt"] = "auto"
-    max_samples: int | None = Field(default=None, ge=1)
+    max_samples: int | None = Field(
+        default=None,
+        ge=1,
+        description="Use the first N usable prompts of the file (in file order; malformed or duplicate rows do "
+        "not count) and read no further: a smaller run, or one that fits endpoint.max_cost_usd.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -90,10 +95,19 @@ class EndpointConfig(StrictModel):
     )
     max_in_flight: int = Field(default=2000, ge=1, le=100_000)
     request_timeout_s: float = Field(default=900.0, gt=0)
-    connect_timeout_s: float = Field(default=30.0, gt=0)
+    connect_timeout_s: float = Field(
+        default=30.0, gt=0, description="Opening a connection; a request that never connected was never billed."
+    )
     max_attempts: int = Field(default=6, ge=1, le=100)
-    backoff_base_s: float = Field(default=1.0, ge=0)
-    backoff_max_s: float = Field(default=60.0, ge=0)
+    backoff_base_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="A sample's retry waits a random time up to this, doubling per attempt up to "
+        "backoff_max_s (a Retry-After is honoured instead).",
+    )
+    backoff_max_s: float = Field(
+        default=60.0, ge=0, description="The longest backoff between two attempts of a sample."
+    )
     keep_length_truncated: bool = Field(
         default=False,
         description="Keep samples that ended with finish_reason=length (else: failed); validation then passes "
@@ -361,8 +375,15 @@ class TokenizerConfig(StrictModel):
 
 
 class ReconstructConfig(StrictModel):
-    loss_on_reasoning: bool = True
-    loss_on_end_of_turn: bool = True
+    loss_on_reasoning: bool = Field(
+        default=True,
+        description="The drafter learns the reasoning tokens too (loss_mask 1); false trains on the content only. "
+        "Reasoning is most of a thinking model's output, and its drafter drafts it.",
+    )
+    loss_on_end_of_turn: bool = Field(
+        default=True,
+        description="The drafter learns to draft the end-of-turn token (e.g. <|im_end|>) that closes each answer.",
+    )
     token_ids: Literal["model", "reencode"] = Field(
         default="model",
         description="model: store the ids the endpoint reported the model generated (SGLang output_ids, or ids "
@@ -449,7 +470,10 @@ class ExtractConfig(StrictModel):
     )
     max_tokens_per_batch: int = Field(default=8192, ge=1)
     max_shard_bytes: int = Field(default=2 * 1024**3, ge=1024)
-    skip_failed_validation: bool = True
+    skip_failed_validation: bool = Field(
+        default=True,
+        description="Leave out of extraction (and so of training) the rows validation failed; false extracts them.",
+    )
     store_final_state: bool = Field(
         default=True,
         description="False stores the 3 aux states only (25% less disk); trainers then recompute the target "
