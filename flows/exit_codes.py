@@ -146,8 +146,62 @@ def config_error_line(exc: BaseException) -> str:
     from pydantic import ValidationError
 
     assert isinstance(exc, ValidationError)
-    problems = [f"{_location(e['loc'])}: {e['msg']}" for e in exc.errors(include_input=False)]
+    problems = [
+        f"{_location(e['loc'])}: {e['msg']}{_did_you_mean(exc.title, e)}" for e in exc.errors(include_input=False)
+    ]
     return f"invalid config ({exc.title}): " + "; ".join(problems)
+
+
+def _did_you_mean(title: str, error: Any) -> str:
+    """For an unknown key, the keys beside it that it resembles (`endpoint.max_inflight`: `max_in_flight`), from
+    the strict model `title` names; only valid names are printed, never the key as typed."""
+    import difflib
+
+    loc = tuple(error["loc"])
+    if error["type"] != "extra_forbidden":
+        return ""
+    model = next((m for m in _strict_models() if m.__name__ == title), None)
+    for part in loc[:-1]:
+        if model is None:
+            return ""
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        model = None if field is None else _model_in(field.annotation)
+    if model is None or not loc:
+        return ""
+    typed = str(loc[-1]).split(":")[0].split("=")[0]
+    close = difflib.get_close_matches(typed, list(model.model_fields), n=2, cutoff=0.6)
+    prefix = ".".join(str(p) for p in loc[:-1])
+    names = [f"{prefix}.{name}" if prefix else name for name in close]
+    return f" (did you mean {' or '.join(names)}?)" if names else ""
+
+
+def _strict_models() -> list[type[Any]]:
+    from tasks.common.config import StrictModel
+
+    found: list[type[Any]] = []
+    todo: list[type[Any]] = [StrictModel]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def _model_in(annotation: Any) -> type[Any] | None:
+    """The pydantic model a field holds, directly or inside a list / Optional / union."""
+    import typing
+
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _os_error_line(exc: OSError) -> str:

@@ -126,7 +126,11 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], code: ExitCo
 def _bad_inputs(root: Path, sim: SimulatorServer, tokenizer_dir: Path) -> dict[str, tuple[Path, ExitCode, str]]:
     """name -> (config, expected code, a word the message must contain); each config in its own folder."""
     cases: dict[str, tuple[dict[str, Any], ExitCode, str]] = {
-        "config typo": ({"endpoint.max_inflight": 4}, ExitCode.USER, "endpoint.max_inflight"),
+        "config typo": (
+            {"endpoint.max_inflight": 4},
+            ExitCode.USER,
+            "endpoint.max_inflight: Extra inputs are not permitted (did you mean endpoint.max_in_flight",
+        ),
         "missing dataset": ({"datasets": [{"name": "B1", "path": str(root / "nope.jsonl")}]}, ExitCode.USER, "nope"),
         "dead endpoint": (  # waited for up to outage_abort_s (as during a run), then refused with nothing sent
             {"endpoint.base_url": _dead_url(), "endpoint.outage_abort_s": 2},
@@ -320,7 +324,7 @@ def test_a_key_typed_without_a_space_after_the_colon_is_not_printed(
     path.write_text(text)
     failed = run_main(capsys, "estimate", str(path))
     assert failed.returncode == ExitCode.USER and API_KEY not in failed.stderr + failed.stdout
-    assert "endpoint.api_key:***: Extra inputs are not permitted" in failed.stderr
+    assert "endpoint.api_key:***: Extra inputs are not permitted (did you mean endpoint.api_key" in failed.stderr
     debug = run_main(capsys, "--debug", "estimate", str(path))  # pydantic's own text in the traceback named it
     from flows import cli_common
 
