@@ -99,12 +99,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _preflight(cfg: PipelineConfig) -> None:
-    """Inputs exist and the run directory is writable: before anything starts."""
+def _preflight(cfg: PipelineConfig, sending: bool = True) -> None:
+    """Inputs exist, the run directory is writable and (`sending`) the API key the config names is set: before
+    anything starts (an unset `api_key_env` was reported after the datasets were prepared and Prefect started)."""
     from tasks.common.preflight import check_inputs, check_run_dir_writable
 
     check_inputs(cfg)
     check_run_dir_writable(cfg.run_dir)
+    if sending:
+        cfg.endpoint.resolved_api_key()
 
 
 def _tell(line: str) -> None:
@@ -125,7 +128,7 @@ def _prepare_then_wait(cfg: PipelineConfig, probe: bool) -> None:
     from tasks.reconstruct.tokenizer_loading import load_tokenizer
     from tasks.status.sending import parts_to_send
 
-    _preflight(cfg)
+    _preflight(cfg, sending=probe)
     parts = prepare_datasets(cfg).parts
     preflight(cfg, load_tokenizer(cfg.tokenizer), probe=probe and bool(parts_to_send(cfg, parts)), announce=_tell)
 

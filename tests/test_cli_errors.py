@@ -140,6 +140,11 @@ def _bad_inputs(root: Path, sim: SimulatorServer, tokenizer_dir: Path) -> dict[s
         "empty dataset": ({"datasets": [{"name": "E", "path": "EMPTY"}]}, ExitCode.USER, "no rows"),
         "all rows quarantined": ({"datasets": [{"name": "Q", "path": "GARBAGE"}]}, ExitCode.USER, "quarantined"),
         "run_dir under a file": ({"run_dir": "FILE/run"}, ExitCode.USER, "is a file"),
+        "unset key variable": (  # reported before any dataset is read (`run`: before Prefect started)
+            {"endpoint.api_key_env": "EAGLE3_KEY_NOBODY_SET"},
+            ExitCode.USER,
+            "endpoint.api_key_env names 'EAGLE3_KEY_NOBODY_SET', which is unset or empty",
+        ),
         "no tokenizer files": (  # reported before the endpoint is waited for (`run` waited first)
             {"tokenizer.path": "NOTOKENIZER", "endpoint.base_url": _dead_url(), "endpoint.outage_abort_s": 60},
             ExitCode.USER,
@@ -172,7 +177,9 @@ def test_generate_and_estimate_with_each_bad_input(
     for name, (config, code, needle) in _bad_inputs(tmp_path, sim, tokenizer_dir).items():
         before = snapshot(config.parent)
         assert_one_line_error(call(capsys, "generate", str(config), "--no-progress"), code, needle)
-        if name not in ("dead endpoint", "run_dir under a file"):  # estimate neither sends nor writes
+        if name == "unset key variable":  # said before the datasets were read into prompts parts
+            assert not list((config.parent / "run").rglob("*.parquet"))
+        if name not in ("dead endpoint", "run_dir under a file", "unset key variable"):  # estimate sends nothing
             assert_one_line_error(call(capsys, "estimate", str(config)), code, needle)
         after = snapshot(config.parent)
         assert all(after.get(path) == digest for path, digest in before.items()), f"{name}: files changed"
@@ -244,10 +251,19 @@ def test_run_stops_before_prefect_on_what_a_preflight_can_see(
     cases = _bad_inputs(tmp_path, sim, tokenizer_dir)
     saved = {k: v for k, v in os.environ.items() if k.startswith("PREFECT_")}
     try:
-        for name in ("config typo", "missing dataset", "dead endpoint", "run_dir under a file", "no tokenizer files"):
+        for name in (
+            "config typo",
+            "missing dataset",
+            "dead endpoint",
+            "run_dir under a file",
+            "unset key variable",
+            "no tokenizer files",
+        ):
             config, code, needle = cases[name]
             before = snapshot(config.parent)
             assert_one_line_error(call(capsys, "run", str(config), "--no-progress"), code, needle)
+            if name == "unset key variable":
+                assert not list((config.parent / "run").rglob("*.parquet"))
             after = snapshot(config.parent)  # prompts parts are prepared before the endpoint is waited for
             assert all(after.get(path) == digest for path, digest in before.items()), f"{name}: files changed"
     finally:  # cmd_run sets Prefect's environment defaults for the flow it would have started
