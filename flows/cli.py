@@ -143,9 +143,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     check_inputs(cfg)
     from tasks.estimate.display import estimate_text
     from tasks.estimate.estimate import estimate_run, over_budget
+    from tasks.generate.preflight import preflight
+    from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    preflight(cfg, tokenizer, probe=False)  # a tokenizer `generate` refuses is not estimated as if it would run
     observed = Path(args.observed).resolve() if args.observed else None
-    estimate = estimate_run(cfg, observed_run_dir=observed, price_lookup=not args.no_price_lookup)
+    estimate = estimate_run(cfg, tokenizer, observed_run_dir=observed, price_lookup=not args.no_price_lookup)
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2, default=str))
     else:

@@ -140,6 +140,11 @@ def _bad_inputs(root: Path, sim: SimulatorServer, tokenizer_dir: Path) -> dict[s
         "empty dataset": ({"datasets": [{"name": "E", "path": "EMPTY"}]}, ExitCode.USER, "no rows"),
         "all rows quarantined": ({"datasets": [{"name": "Q", "path": "GARBAGE"}]}, ExitCode.USER, "quarantined"),
         "run_dir under a file": ({"run_dir": "FILE/run"}, ExitCode.USER, "is a file"),
+        "format the tokenizer lacks": (  # estimate priced it as if generate would run
+            {"tokenizer.completion_format": "kimi_k25_thinking"},
+            ExitCode.USER,
+            "kimi_k25_thinking",
+        ),
         "unset key variable": (  # reported before any dataset is read (`run`: before Prefect started)
             {"endpoint.api_key_env": "EAGLE3_KEY_NOBODY_SET"},
             ExitCode.USER,
