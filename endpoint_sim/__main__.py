@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import resource
 from pathlib import Path
@@ -145,15 +146,23 @@ def main(argv: list[str] | None = None) -> None:
             batch_size=args.batch_size,
             torch_threads=args.torch_threads,
         )
-    serve_forever(
-        args.model_dir,
-        config,
-        args.host,
-        args.port,
-        args.port_file,
-        responder=responder,
-        billing_file=args.billing_file,
-    )
+    try:
+        serve_forever(
+            args.model_dir,
+            config,
+            args.host,
+            args.port,
+            args.port_file,
+            responder=responder,
+            billing_file=args.billing_file,
+        )
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise SystemExit(
+            f"error: {args.host}:{args.port} is in use (another simulator?): stop it, or choose --port "
+            "(0 = any free port, written to --port-file)"
+        ) from None
 
 
 if __name__ == "__main__":
