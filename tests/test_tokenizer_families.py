@@ -385,3 +385,60 @@ def test_a_template_that_needs_a_tool_list_says_so_and_where_to_give_it() -> Non
     assert "\n" not in str(refused.value)
     tool = {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object"}}}
     assert resolve_format("auto", tok, {"tools": [tool]}).end_of_turn == "<|im_end|>"
+
+
+# (family, chat-template kwargs, the assistant content holding reasoning and answer, the literals derived, the text
+# the template writes after the content when another user turn follows): templates that read an answer's reasoning
+# only from structured content, never from a reasoning_content key.
+STRUCTURED: list[tuple[str, dict[str, Any], Callable[[str | None, str], Any], tuple[str, str, str]]] = [
+    (
+        "ministral3_reasoning",
+        {},
+        lambda r, c: [*([{"type": "thinking", "thinking": r}] if r else []), {"type": "text", "text": c}],
+        ("[THINK]", "[/THINK]", "</s>"),
+    ),
+    (
+        "apertus_8b_instruct",
+        {"enable_thinking": True},
+        lambda r, c: {"blocks": [*([{"type": "thoughts", "text": r}] if r else []), {"type": "response", "text": c}]},
+        ("<|inner_prefix|>", "<|inner_suffix|>", "<|assistant_end|>"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("family", "kwargs", "content", "literals"), STRUCTURED)
+def test_a_template_that_reads_reasoning_from_structured_content_derives_its_tags(
+    family: str, kwargs: dict[str, Any], content: Callable[[str | None, str], Any], literals: tuple[str, str, str]
+) -> None:
+    """Ministral-3-Reasoning renders a `{"type": "thinking"}` chunk as `[THINK]...[/THINK]` and Apertus a
+    `{"type": "thoughts"}` block as `<|inner_prefix|>...<|inner_suffix|>`; neither reads reasoning_content, so
+    derivation saw no reasoning, derived a format without it and refused every answer that carried reasoning.
+    The ids are the template's own rendering of the answer given that way, with reasoning and without it."""
+    tok = F.shared(family)
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert (fmt.reasoning_open, fmt.reasoning_close, fmt.end_of_turn) == literals
+    assert not fmt.open_in_prompt and fmt.omit_empty_reasoning
+    assert check_format("auto", tok, kwargs).reasoning_visible
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = render_prompt(tok, user, kwargs)
+    follow = {"role": "user", "content": "And 3+3?"}
+    for reasoning in (None, "Two plus two\nis four."):
+        answer = {"role": "assistant", "content": content(reasoning, "It is 4.")}
+        finished = tok.apply_chat_template([*user, answer, follow], tokenize=False, **kwargs)
+        assert isinstance(finished, str)
+        assert finished.startswith(prompt + completion_text(fmt, reasoning, "It is 4."))
+
+
+def test_structured_content_a_template_prints_as_text_is_not_read_as_reasoning(tmp_path: Path) -> None:
+    """A template that prints whatever content it is given shows a chunk list's reasoning before its text, as the
+    list's repr: that is not a layout. It renders the list without reasoning unlike the plain answer, so it is
+    not tried, and the format stays one without reasoning."""
+    text = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = F.load(F.qwen3_dir_with_template(tmp_path / "printing", text))
+    fmt = derive_format(tok, {})
+    assert not fmt.has_reasoning and fmt.end_of_turn == "<|im_end|>"
+    assert not check_format("auto", tok, {}).reasoning_visible

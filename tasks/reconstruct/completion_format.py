@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
@@ -466,7 +466,8 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     """The generation prompt and the finished assistant turn(s) after a sentinel user turn.
 
     The second view gives the assistant turn tool calls: Kimi-K2 renders reasoning only for assistant turns
-    after the last plain assistant turn, i.e. inside an agentic tool-call sequence.
+    after the last plain assistant turn, i.e. inside an agentic tool-call sequence. Where neither shows the
+    reasoning, the reasoning is tried as structured content (`_block_turns`).
     """
     user = [{"role": "user", "content": SENTINEL_USER}]
     controls = set(added_tokens(tokenizer).values())
@@ -489,6 +490,10 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
                 continue
             raise ConfigError(f"chat template: the assistant turn does not extend the user turn ({full!r})")
         turns.append(full[len(base) :])
+    bare = _render(tokenizer, [*user, {"role": "assistant", "content": SENTINEL_CONTENT}], False, template_kwargs)
+    bare = bare[len(base) :] if bare.startswith(base) else ""
+    if not any(SENTINEL_REASONING in t for t in turns):
+        turns += _block_turns(tokenizer, user, base, bare, template_kwargs)
     plain = turns[0]
     at = plain.find(SENTINEL_CONTENT)
     if at < 0:
@@ -501,9 +506,51 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
         end_of_turn = _end_of_turn_before_next_user(tokenizer, user, template_kwargs, controls)
     if end_of_turn is None:
         raise ConfigError(f"chat template: assistant content is followed by {after[:40]!r}, not a special token")
-    bare = _render(tokenizer, [*user, {"role": "assistant", "content": SENTINEL_CONTENT}], False, template_kwargs)
-    bare = bare[len(base) :] if bare.startswith(base) else ""
     return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls, bare)
+
+
+CONTENT_BLOCK_SHAPES: tuple[Callable[[str | None, str], Any], ...] = (
+    # Typed chunks, the reasoning under "thinking" (mistral-common's ThinkChunk; Ministral-3-Reasoning renders
+    # `[THINK]...[/THINK]` for it and reads no reasoning_content key).
+    lambda reasoning, content: [
+        *([{"type": "thinking", "thinking": reasoning}] if reasoning is not None else []),
+        {"type": "text", "text": content},
+    ],
+    # A mapping of blocks, the reasoning as "thoughts" (Apertus renders `<|inner_prefix|>...<|inner_suffix|>`).
+    lambda reasoning, content: {
+        "blocks": [
+            *([{"type": "thoughts", "text": reasoning}] if reasoning is not None else []),
+            {"type": "response", "text": content},
+        ]
+    },
+)
+"""Structured assistant content some templates read reasoning from instead of a message key."""
+
+
+def _block_turns(
+    tokenizer: PreTrainedTokenizerBase,
+    user: list[dict[str, Any]],
+    base: str,
+    bare: str,
+    template_kwargs: Mapping[str, Any],
+) -> list[str]:
+    """The sentinel turn with its reasoning given as structured content (`CONTENT_BLOCK_SHAPES`), for a template
+    that shows no reasoning under any message key. A shape counts only where the template renders it, less the
+    reasoning block, exactly as the plain-text answer (`bare`): the template reads it as content, not as text to
+    print, so what it adds around the reasoning is the layout."""
+    found = []
+    for shape in CONTENT_BLOCK_SHAPES:
+        views = []
+        for reasoning in (None, SENTINEL_REASONING):
+            assistant = {"role": "assistant", "content": shape(reasoning, SENTINEL_CONTENT)}
+            try:
+                full = _render(tokenizer, [*user, assistant], False, template_kwargs)
+            except ConfigError:
+                break
+            views.append(full[len(base) :] if full.startswith(base) else None)
+        if bare and len(views) == 2 and views[0] == bare and views[1] is not None and SENTINEL_REASONING in views[1]:
+            found.append(views[1])
+    return found
 
 
 def _continued_from(base: str, gen: str, controls: set[str]) -> str:
