@@ -442,3 +442,30 @@ def test_structured_content_a_template_prints_as_text_is_not_read_as_reasoning(t
     fmt = derive_format(tok, {})
     assert not fmt.has_reasoning and fmt.end_of_turn == "<|im_end|>"
     assert not check_format("auto", tok, {}).reasoning_visible
+
+
+@pytest.mark.parametrize("effort", ["low", "minimal"])
+def test_a_prompt_that_closes_the_block_with_part_of_a_multi_token_close_leaves_the_rest_to_the_model(
+    effort: str,
+) -> None:
+    """Solar-Open with reasoning_effort low or minimal ends its prompt with an empty, closed reasoning message
+    (`<|begin|>assistant<|think|><|end|><|begin|>assistant`); its close is `<|end|><|begin|>assistant<|content|>`, so
+    the model writes `<|content|>` and the answer, as the template renders every answer after `<|begin|>assistant`.
+    Derivation refused the template at these efforts. An answer that carries reasoning is refused per row."""
+    kwargs = {"reasoning_effort": effort}
+    tok = F.shared("solar_open_100b")
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert not fmt.has_reasoning and fmt.content_separator == "<|content|>" and fmt.end_of_turn == "<|end|>"
+    assert "<|content|>" in fmt.special_tokens()
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = render_prompt(tok, user, kwargs)
+    assert prompt.endswith("<|begin|>assistant<|think|><|end|><|begin|>assistant")
+    finished = tok.apply_chat_template([*user, {"role": "assistant", "content": "It is 4."}], tokenize=False, **kwargs)
+    assert isinstance(finished, str)
+    answer = finished[finished.rindex("<|begin|>assistant") + len("<|begin|>assistant") :]
+    for content in ("It is 4.", "<|content|>It is 4."):
+        assert completion_text(fmt, None, content) == answer == "<|content|>It is 4.<|end|>"
+    with pytest.raises(ValueError, match="has no reasoning, but the response carries reasoning text"):
+        completion_text(fmt, "Two and two.", "It is 4.")
+    assert resolve_format("auto", tok, {}).reasoning_close == "<|end|><|begin|>assistant<|content|>"

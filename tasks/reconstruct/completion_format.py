@@ -80,7 +80,7 @@ class CompletionFormat:
             raise ConfigError(f"completion format {self.name!r}: {problem}")
         if not self.end_of_turn:
             raise ConfigError(f"completion format {self.name!r}: end_of_turn is empty")
-        literals = "\x00".join(self.literals())
+        literals = "\x00".join((*self.literals(), self.content_separator))
         missing = [t for t in self.control_tokens if t not in literals]
         if missing:
             raise ConfigError(f"completion format {self.name!r}: control tokens {missing} are in none of its literals")
@@ -638,6 +638,8 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
         opening, in_prompt = head[at:], True
     elif r.header.startswith(head) and close in r.header[len(head) :]:
         return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[len(head) :], close))
+    elif (rest := _rest_of_close(r, head, close, separator)) is not None:
+        return _no_reasoning(r.end_of_turn, rest)
     else:
         raise ConfigError(
             f"chat template: the generation prompt {r.header!r} does not lead into the rendered turn {turn!r}"
@@ -645,6 +647,22 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
     return CompletionFormat(
         "derived", opening, in_prompt, close, r.end_of_turn, reasoning_pad=pad, content_separator=separator
     )
+
+
+def _rest_of_close(r: _Renders, head: str, close: str, separator: str) -> str | None:
+    """What the model writes before its content when the generation prompt closed an empty reasoning block with
+    only the first part of a close that spans several control tokens: the rest of the close, and the separator.
+    Solar-Open with reasoning_effort low ends its prompt `<|think|><|end|><|begin|>assistant` (the close is
+    `<|end|><|begin|>assistant<|content|>`) and the model writes `<|content|>` then the answer. Read only where the
+    template renders an answer without reasoning with exactly that text before the content; else None."""
+    written = r.header[len(head) :] if r.header.startswith(head) else ""
+    if not written.strip() or not close.startswith(written) or close == written:
+        return None
+    rest = close[len(written) :] + separator
+    content_at = r.bare.find(SENTINEL_CONTENT)
+    if content_at < 0 or not r.bare[:content_at].endswith(rest) or not controls_in(rest, r.controls):
+        return None
+    return rest
 
 
 def _omits_empty_block(fmt: CompletionFormat, r: _Renders) -> bool:
@@ -776,9 +794,12 @@ def _derive(
         fmt, unseen = _from_hidden_reasoning(renders)
         seen = COMPARED_FIELDS - unseen
         visible = False
+    controls = literal_controls(fmt, renders.controls)
+    if not fmt.has_reasoning:  # a separator the model writes after a prompt that closed the block (Solar-Open)
+        controls += tuple(c for c in controls_in(fmt.content_separator, renders.controls) if c not in controls)
     derived = replace(
         fmt,
-        control_tokens=literal_controls(fmt, renders.controls),
+        control_tokens=controls,
         omit_empty_reasoning=_omits_empty_block(fmt, renders),
     )
     return derived, seen, visible
