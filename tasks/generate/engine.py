@@ -742,7 +742,8 @@ async def _generate_async(
             listed = await asyncio.to_thread(listed_price_factor, cfg.endpoint)
             if listed is not None:
                 client.budget.raise_prices(*listed)
-        elif cfg.endpoint.kind == "openai_chat" and any(s.todo for s in states) and not on_this_network(cfg):
+        uncapped = cfg.endpoint.max_cost_usd is None and cfg.endpoint.kind == "openai_chat"
+        if uncapped and any(s.todo for s in states) and not on_this_network(cfg):
             emit_event(
                 RunEvent(
                     "no_cap",
