@@ -15,23 +15,37 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, TokenizerConfig, ValidationConfig
+from tasks.common.config import (
+    CompletionFormatSpec,
+    DatasetConfig,
+    EndpointConfig,
+    PipelineConfig,
+    TokenizerConfig,
+    ValidationConfig,
+)
 from tasks.common.errors import ConfigError, SpecialTokenError
+from tasks.common.messages import Message
+from tasks.common.shards import PartRef, read_part
 from tasks.reconstruct.completion_format import (
     PRESETS,
     SENTINEL_CONTENT,
     SENTINEL_REASONING,
     check_format,
+    completion_layout,
     completion_text,
     derive_format,
     format_for,
     resolve_format,
 )
 from tasks.reconstruct.special_tokens import check_special_tokens, format_table, verify_special_tokens
+from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import render_prompt, template_message
+from tasks.validate.checks import validate_part
 from tests.fixtures import families as F
+from tests.test_reconstruct import make_cfg, response_row, sid_of, write_inputs
 
 # (family, chat-template kwargs, preset the template must derive to, preset names it must accept): every family
 # and version shipped, each over its fixture template (tests/fixtures/templates/, source named in its header).
@@ -469,3 +483,55 @@ def test_a_prompt_that_closes_the_block_with_part_of_a_multi_token_close_leaves_
     with pytest.raises(ValueError, match="has no reasoning, but the response carries reasoning text"):
         completion_text(fmt, "Two and two.", "It is 4.")
     assert resolve_format("auto", tok, {}).reasoning_close == "<|end|><|begin|>assistant<|content|>"
+
+
+def test_a_template_that_writes_a_newline_before_its_end_of_turn_derives_it(tmp_path: Path) -> None:
+    """NVIDIA-Nemotron-Nano-v2 renders an answer as its stripped content, then `\\n<SPECIAL_12>`: the model writes
+    the newline. Derivation refused the template ("followed by '\\n<SPECIAL_12>...', not a special token"). Servers
+    return the content with that newline (vLLM, unstripped) or without it (an API that strips): both give the ids
+    of the template's own rendering, every completion token carries loss, and validation passes them. A
+    truncated answer keeps a trailing newline as its own."""
+    tok = F.shared("nemotron_nano_v2")
+    fmt = resolve_format("auto", tok, {})
+    verify_special_tokens(tok, fmt)
+    assert (fmt.end_of_turn, fmt.content_end, fmt.has_reasoning) == ("<SPECIAL_12>", "\n", False)
+    assert fmt.describe()["content_end"] == "\n" and "content_end" not in PRESETS["qwen3_thinking"].describe()
+    layout = completion_layout(fmt, None, "It is 4.")
+    assert (layout.text, layout.content_start, layout.end_of_turn_start) == ("It is 4.\n<SPECIAL_12>", 0, 9)
+    assert completion_layout(fmt, None, "It is 4.\n", truncated=True).text == "It is 4.\n"
+
+    conversations = [
+        [Message(role="system", content="/no_think"), Message(role="user", content=f"What is {i}+{i}?")]
+        for i in range(2)
+    ]
+    answers = ["It is 0.", f"It is 2.{fmt.content_end}"]
+    cfg = make_cfg(tmp_path, F.shared_dir("nemotron_nano_v2"))
+    responses = [response_row(sid_of(c), None, a) for c, a in zip(conversations, answers, strict=True)]
+    write_inputs(tmp_path, 0, conversations, responses)
+    reconstruct_part(cfg, 0, fmt)
+    validate_part(cfg, 0, fmt)
+    rows = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()}
+    checked = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "validation", 0)).to_pylist()}
+    for conv, answer in zip(conversations, answers, strict=True):
+        messages = [dict(m) for m in conv]
+        finished = tok.apply_chat_template(
+            [*messages, {"role": "assistant", "content": answer}], tokenize=False, continue_final_message=False
+        )
+        assert isinstance(finished, str) and finished.endswith("\n<SPECIAL_12>\n\n")
+        assert render_prompt(tok, messages, {}).endswith("<SPECIAL_11>Assistant\n<think></think>")
+        row = rows[sid_of(conv)]
+        expected = tok.encode(finished.removesuffix("\n\n"), add_special_tokens=False)
+        assert row["input_ids"] == expected
+        completion = row["loss_mask"][row["prompt_len"] :]
+        assert all(completion) and tok.decode(row["input_ids"][-1:]) == "<SPECIAL_12>"
+        assert checked[sid_of(conv)]["structural_issues"] == [] and checked[sid_of(conv)]["verdict"] == "pass"
+
+
+def test_a_written_format_must_say_the_newline_the_template_writes_before_its_end_of_turn() -> None:
+    """A format written out for such a template without `content_end` would drop the model's newline from every
+    answer: the template shows it, so the check refuses it; whitespace only is accepted there."""
+    tok = F.shared("nemotron_nano_v2")
+    check = check_format(CompletionFormatSpec(end_of_turn="<SPECIAL_12>", content_end=""), tok, {})
+    assert check.differences["content_end"] == ("", "\n")
+    with pytest.raises(ValidationError, match="content_end"):
+        CompletionFormatSpec(end_of_turn="<SPECIAL_12>", content_end="x")

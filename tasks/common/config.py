@@ -308,6 +308,12 @@ class CompletionFormatSpec(StrictModel):
     end_of_turn: str = Field(min_length=1, description="The control token that ends the turn, e.g. '<|im_end|>'.")
     reasoning_pad: str = Field(default="", description="Whitespace inside the tags on both sides of the reasoning.")
     content_separator: str = Field(default="", description="Text between the close tag and the content.")
+    content_end: str = Field(
+        default="",
+        pattern=r"^\s*$",
+        description="Whitespace between the content and end_of_turn, where the template writes one (Nemotron-Nano-v2: "
+        "'\\n' before <SPECIAL_12>).",
+    )
     omit_empty_reasoning: bool = Field(
         default=False,
         description="An answer without reasoning is its content alone, with no empty think block (the template "

@@ -54,7 +54,10 @@ class CompletionFormat:
     literals, the reasoning tags its generation prompt writes, the tool-call markers validation looks for); a
     tokenizer that disagrees is rejected before anything is sent (Kimi-K2's `<|im_end|>` is 163586; assuming
     163533, which decodes to "chas", once corrupted a run silently; DeepSeek-V4's `<think>` is 128821 where
-    V3.x has 128798).
+    V3.x has 128798). `content_end`: whitespace between the content and the end-of-turn token, where the
+    template strips the content and writes it (Nemotron-Nano-v2 ends a turn `\\n<SPECIAL_12>`): the model
+    learned to write it, and servers differ in whether they return it with the content, so it is removed from the
+    content once and written once.
     """
 
     name: str
@@ -67,6 +70,7 @@ class CompletionFormat:
     pinned_ids: tuple[tuple[str, int], ...] = ()
     control_tokens: tuple[str, ...] = ()
     omit_empty_reasoning: bool = False
+    content_end: str = ""
 
     def __post_init__(self) -> None:
         problem = format_fields_problem(
@@ -80,6 +84,8 @@ class CompletionFormat:
             raise ConfigError(f"completion format {self.name!r}: {problem}")
         if not self.end_of_turn:
             raise ConfigError(f"completion format {self.name!r}: end_of_turn is empty")
+        if self.content_end.strip():
+            raise ConfigError(f"completion format {self.name!r}: content_end {self.content_end!r} is not whitespace")
         literals = "\x00".join((*self.literals(), self.content_separator))
         missing = [t for t in self.control_tokens if t not in literals]
         if missing:
@@ -113,12 +119,14 @@ class CompletionFormat:
         return dict(self.pinned_ids)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-safe field view, for provenance, error messages and the tokens recipe. `omit_empty_reasoning` is
-        left out while False, its default: the recipe of every format that existed before the field stays what
-        it was, so an upgrade does not rebuild every tokens part and re-extract their hidden states."""
+        """JSON-safe field view, for provenance, error messages and the tokens recipe. `omit_empty_reasoning` and
+        `content_end` are left out at their defaults: the recipe of every format that existed before those fields
+        stays what it was, so an upgrade does not rebuild every tokens part and re-extract their hidden states."""
         view = {f.name: getattr(self, f.name) for f in fields(self)}
         if not self.omit_empty_reasoning:
             del view["omit_empty_reasoning"]
+        if not self.content_end:
+            del view["content_end"]
         return view
 
 
@@ -268,10 +276,10 @@ def normalized_parts(
     wrote (`foo\n\n</think>` is `ĊĊ`, not `Ċ`), so it stays. Stripping every boundary newline made such answers
     pass with wrong ids, and made the model's exact ids disagree with the text.
 
-    An answer cut inside its reasoning (`truncated`, no content) never wrote the pad before the close tag: a
-    newline it ends in is the model's own. With the open tag in the generation prompt (`open_in_prompt`) the
-    leading pad is prompt text no server returns: a newline the reasoning starts with is the model's own too
-    (QwQ's `<think>\n` prompt, then `\nOkay`).
+    An answer cut inside its reasoning (`truncated`, no content) never wrote the pad before the close tag: a newline
+    it ends in is the model's own; so is the `content_end` a truncated answer ends in. With the open tag in the
+    generation prompt (`open_in_prompt`) the leading pad is prompt text no server returns: a newline the reasoning
+    starts with is the model's own too (QwQ's `<think>\n` prompt, then `\nOkay`).
     """
     reasoning, content = reasoning or "", content or ""
     opening = (fmt.reasoning_open or "").lstrip()  # GLM's is "\n<think>": the text may start at the tag itself
@@ -284,6 +292,8 @@ def normalized_parts(
             reasoning = reasoning.removesuffix(fmt.reasoning_pad)
     if fmt.content_separator and not fmt.omits_block(reasoning):
         content = content.removeprefix(fmt.content_separator)
+    if fmt.content_end and not truncated:
+        content = content.removesuffix(fmt.content_end)
     return reasoning, content
 
 
@@ -311,7 +321,7 @@ def completion_layout(
             text = opening + reasoning
             return CompletionLayout(text, len(text), len(text))
         head = f"{opening}{reasoning}{fmt.reasoning_pad}{fmt.reasoning_close}{fmt.content_separator}"
-    body = head + content
+    body = head + content + ("" if truncated else fmt.content_end)
     text = body if truncated else body + fmt.end_of_turn
     return CompletionLayout(text, len(head), len(body))
 
@@ -369,6 +379,7 @@ COMPARED_FIELDS = frozenset(
         "end_of_turn",
         "reasoning_pad",
         "content_separator",
+        "content_end",
     }
 )
 
@@ -460,6 +471,8 @@ class _Renders:
     controls: set[str]
     bare: str
     """the assistant turn with content and no reasoning"""
+    content_end: str = ""
+    """whitespace the template writes between the content and the end-of-turn token"""
 
 
 def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any]) -> _Renders:
@@ -502,11 +515,15 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
         raise ConfigError(f"chat template renders the reasoning more than once: {turns!r}")
     after = plain[at + len(SENTINEL_CONTENT) :]
     end_of_turn = _longest_prefix(after, controls)
+    content_end = ""
+    if end_of_turn is None and after.strip():  # Nemotron-Nano-v2: content, then `\n<SPECIAL_12>`
+        content_end = after[: len(after) - len(after.lstrip())]
+        end_of_turn = _longest_prefix(after[len(content_end) :], controls) if content_end else None
     if end_of_turn is None and not after.strip():
         end_of_turn = _end_of_turn_before_next_user(tokenizer, user, template_kwargs, controls)
     if end_of_turn is None:
         raise ConfigError(f"chat template: assistant content is followed by {after[:40]!r}, not a special token")
-    return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls, bare)
+    return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls, bare, content_end)
 
 
 CONTENT_BLOCK_SHAPES: tuple[Callable[[str | None, str], Any], ...] = (
@@ -801,6 +818,7 @@ def _derive(
         fmt,
         control_tokens=controls,
         omit_empty_reasoning=_omits_empty_block(fmt, renders),
+        content_end=renders.content_end,
     )
     return derived, seen, visible
 
@@ -830,6 +848,7 @@ def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBas
         spec.content_separator,
         pinned_ids=tuple(spec.pinned_ids.items()),
         omit_empty_reasoning=spec.omit_empty_reasoning,
+        content_end=spec.content_end,
     )
     controls = spec.control_tokens or literal_controls(fmt, set(added_tokens(tokenizer).values()))
     return replace(fmt, control_tokens=controls)
@@ -838,9 +857,9 @@ def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBas
 def _shown_to_a_written_format(
     fmt: CompletionFormat, derived: CompletionFormat, seen: frozenset[str], visible: bool, header: str
 ) -> tuple[frozenset[str], dict[str, tuple[Any, Any]]]:
-    """What a template that never shows reasoning can still say about a written-out format: its end of turn, and
-    whether the generation prompt already opens the reasoning. Derivation's other fields then describe the layout
-    it had to assume (no reasoning), which is exactly what the written format overrides."""
+    """What a template that never shows reasoning can still say about a written-out format: its end of turn (and the
+    whitespace before it), and whether the generation prompt already opens the reasoning. Derivation's other fields
+    then describe the layout it had to assume (no reasoning), which is exactly what the written format overrides."""
     if visible or derived.has_reasoning:
         return seen, {}
     extra: dict[str, tuple[Any, Any]] = {}
@@ -856,7 +875,7 @@ def _shown_to_a_written_format(
         shown_pad = header[header.rfind(fmt.reasoning_open.rstrip()) + len(fmt.reasoning_open.rstrip()) :]
         if fmt.reasoning_open + fmt.reasoning_pad != fmt.reasoning_open.rstrip() + shown_pad:
             extra["reasoning_pad"] = (fmt.reasoning_pad, shown_pad)
-    return frozenset({"end_of_turn"}), extra
+    return frozenset({"end_of_turn", "content_end"}), extra
 
 
 def check_format(
@@ -877,8 +896,9 @@ def check_format(
             raise
         # A layout derivation cannot read (R1-Distill: `<think>\n` opens the reasoning in the generation prompt and
         # earlier turns show neither reasoning nor tags): a given format is checked on what the template shows.
+        renders = _sentinel_renders(tokenizer, kwargs)
         derived, seen, visible, partial = (
-            _no_reasoning(_sentinel_renders(tokenizer, kwargs).end_of_turn),
+            replace(_no_reasoning(renders.end_of_turn), content_end=renders.content_end),
             COMPARED_FIELDS,
             False,
             True,
