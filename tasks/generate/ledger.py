@@ -264,8 +264,7 @@ class LedgerWriter:
 
     def sent(self, sample_id: str, dataset: str, part: int, worst_usd: float, timeout_s: float | None = None) -> str:
         uid = f"{self.token}:{next(self._ids)}"
-        rec: dict[str, Any] = {"k": "s", "a": uid, "id": sample_id, "d": dataset, "p": part, "w": worst_usd}
-        rec["t"] = time.time()
+        rec = {"k": "s", "a": uid, "id": sample_id, "d": dataset, "p": part, "w": worst_usd, "t": time.time()}
         if timeout_s is not None:
             rec["to"] = timeout_s
         self.log.write_now(rec)

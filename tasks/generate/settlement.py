@@ -272,13 +272,13 @@ class Settler:
         gate = asyncio.Semaphore(LOOKUP_CONCURRENCY)
         now = time.time()
         timeout_s = self.cfg.endpoint.request_timeout_s
-        over = any(generation_over(self.ledger.attempts[uid], now, timeout_s) for uid, _, _ in pending)
-        records_kept = over and await self._records_kept()
+        over = {uid: generation_over(self.ledger.attempts[uid], now, timeout_s) for uid, _, _ in pending}
+        records_kept = any(over.values()) and await self._records_kept()
 
         async def one(uid: str, generation_id: str) -> tuple[float | None, SettledBy]:
             attempt = self.ledger.attempts[uid]
             priced = priced_unless_recorded(attempt, now)
-            unbilled = records_kept and generation_over(attempt, now, timeout_s)
+            unbilled = records_kept and over[uid]
             async with gate:
                 ended = ended_long_ago(attempt, now) or unbilled
                 absent = priced if priced is not None else (NO_RECORD if unbilled else 0.0 if ended else None)
@@ -293,7 +293,7 @@ class Settler:
             self._not_found.update(
                 uid
                 for (uid, _, _), (c, _) in zip(pending, found, strict=True)
-                if c is None and (records_kept or not generation_over(self.ledger.attempts[uid], now, timeout_s))
+                if c is None and (records_kept or not over[uid])
             )
         worst = sum(self.ledger.attempts[uid].worst_usd for uid, _, _ in settled)
         for uid, cost, src in settled:
