@@ -15,7 +15,9 @@ from typing import Any
 
 EPHEMERAL_STARTUP_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 EPHEMERAL_STARTUP_DEFAULT_S = 120
-"""Ours, where the environment sets none (Prefect's own is 20 s)."""
+"""Ours, where the environment sets none."""
+PREFECT_EPHEMERAL_STARTUP_S = 20
+"""Prefect's own, where nothing sets the variable (outside our commands)."""
 EPHEMERAL_TIMEOUT_TEXT = "Timed out while attempting to connect to ephemeral Prefect API server"
 """What Prefect 3 raises (a RuntimeError) when the embedded server it starts for a flow run does not answer within
 its startup timeout: a loaded machine, not a bug, yet it was reported as an internal error."""
@@ -112,9 +114,13 @@ def ephemeral_timeout_line() -> str:
     import os
 
     current = os.environ.get(EPHEMERAL_STARTUP_SETTING)
-    within = f"{current} s ({EPHEMERAL_STARTUP_SETTING})" if current else f"20 s ({EPHEMERAL_STARTUP_SETTING} unset)"
+    within = (
+        f"{current} s ({EPHEMERAL_STARTUP_SETTING})"
+        if current
+        else f"{PREFECT_EPHEMERAL_STARTUP_S} s ({EPHEMERAL_STARTUP_SETTING} unset)"
+    )
     try:
-        raised = max(2 * int(float(current or 20)), EPHEMERAL_STARTUP_DEFAULT_S)
+        raised = max(2 * int(float(current or PREFECT_EPHEMERAL_STARTUP_S)), EPHEMERAL_STARTUP_DEFAULT_S)
     except ValueError:
         raised = EPHEMERAL_STARTUP_DEFAULT_S
     return (
