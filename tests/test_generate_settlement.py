@@ -5,16 +5,23 @@ an exclusive one, and what a killed run left when its rerun has nothing to send.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from endpoint_sim.responder import FailureRule, SimConfig
 from endpoint_sim.server import SimulatorServer
-from tasks.generate.ledger import SpendLedger
+from tasks.common.config import PipelineConfig
+from tasks.common.shards import PartRef
+from tasks.generate.engine import generate_parts
+from tasks.generate.ledger import LedgerWriter, SpendLedger
 from tests.conftest import run_main
+from tests.test_generate_failures import MARKERS, make_cfg, question, write_prompts
 from tests.test_generate_money import write_config, write_dataset
+from tests.test_spend_ledger import acct, segment, sent
 
 IN_FLIGHT = 16
 CAP_USD = 2.0
@@ -29,6 +36,21 @@ def settle_cfg(tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path, data: 
         max_in_flight=IN_FLIGHT,
         max_cost_usd=CAP_USD,
         **{"account_settle_stable_s": 0.2, "account_settle_wait_s": 30.0, **endpoint},
+    )
+
+
+def account_cfg(
+    run_dir: Path, sim: SimulatorServer, tokenizer_dir: Path, account_settlement: str = "exclusive_key", **endpoint: Any
+) -> PipelineConfig:
+    """An in-process `generate` config for a rerun that settles a killed run's ledger against `sim`."""
+    return make_cfg(
+        run_dir,
+        sim.base_url,
+        tokenizer_dir,
+        "chat",
+        account_settlement=account_settlement,
+        account_settle_stable_s=0.1,
+        **endpoint,
     )
 
 
@@ -72,12 +94,6 @@ def test_a_rerun_with_nothing_left_to_send_settles_what_a_killed_run_left_pendin
     """A killed run's ledger: its opening account reading, then three attempts it never saw end. One has a
     generation id (settled from that record, exactly), two have none (settled from the key's usage since the
     reading). The rerun has no sample to send, and still settles them before it returns."""
-    import httpx
-
-    from tasks.generate.engine import generate_parts
-    from tasks.generate.ledger import LedgerWriter
-    from tests.test_generate_failures import MARKERS, make_cfg
-
     with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
         killed = LedgerWriter(tmp_path, group_commit_s=0.2)
         killed.account("start", 0.0, None, stable=True)
@@ -90,14 +106,7 @@ def test_a_rerun_with_nothing_left_to_send_settles_what_a_killed_run_left_pendin
         killed = LedgerWriter(tmp_path, group_commit_s=0.2)  # the id had reached the ledger before the kill
         killed.generation(with_id, bills[0]["id"])
         killed.close()
-        cfg = make_cfg(
-            tmp_path,
-            sim.base_url,
-            tokenizer_dir,
-            "chat",
-            account_settlement="exclusive_key",
-            account_settle_stable_s=0.1,
-        )
+        cfg = account_cfg(tmp_path, sim, tokenizer_dir)
         summary = generate_parts(cfg, [], MARKERS).total()
         provider = sim.billing()["total_usd"]
     ledger = SpendLedger.load(tmp_path)
@@ -149,14 +158,6 @@ def test_requests_a_dead_endpoint_cut_are_settled_at_zero_once_their_generation_
     they were sent (request_timeout_s + 30 s), an endpoint known to keep records (a paid answer's record is read
     back) with no record of them did not bill them (`no_record`, $0); with an exclusive key, the account then
     settles those without an id too."""
-    import time
-
-    import httpx
-
-    from tasks.generate.engine import generate_parts
-    from tests.test_generate_failures import MARKERS, make_cfg
-    from tests.test_spend_ledger import acct, segment, sent
-
     long_ago = time.time() - 200.0
     with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
         body = {"model": "m", "messages": [{"role": "user", "content": "the answer before the kill"}]}
@@ -173,15 +174,7 @@ def test_requests_a_dead_endpoint_cut_are_settled_at_zero_once_their_generation_
                 sent("queued", 0.05, t=long_ago + 1.0),
             ],
         )
-        cfg = make_cfg(
-            tmp_path,
-            sim.base_url,
-            tokenizer_dir,
-            "chat",
-            request_timeout_s=60.0,
-            account_settlement=account_settlement,
-            account_settle_stable_s=0.1,
-        )
+        cfg = account_cfg(tmp_path, sim, tokenizer_dir, account_settlement, request_timeout_s=60.0)
         generate_parts(cfg, [], MARKERS)
         provider = sim.billing()["total_usd"]
     ledger = SpendLedger.load(tmp_path)
@@ -199,12 +192,6 @@ def test_a_cut_request_is_not_settled_at_zero_where_records_are_not_known_to_be_
 ) -> None:
     """An endpoint that keeps no generation records 404s every id: a missing record proves nothing there, so
     without a paid answer's record read back a cut request stays pending, whatever its age."""
-    import time
-
-    from tasks.generate.engine import generate_parts
-    from tests.test_generate_failures import MARKERS, make_cfg
-    from tests.test_spend_ledger import segment, sent
-
     long_ago = time.time() - 200.0
     segment(tmp_path, "001", [sent("cut", 0.05, t=long_ago), {"k": "g", "a": "cut", "g": "gen-unknown"}])
     with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
@@ -218,13 +205,6 @@ def test_a_cut_request_is_settled_at_zero_by_the_run_whose_answers_prove_records
     """A killed run left only a cut request (an id, no paid answer): the rerun's opening pass has no evidence that
     the endpoint keeps records. Its answers are that evidence; the closing pass read the first pass's "no" back
     and left the cut request pending at worst case for another run."""
-    import time
-
-    from tasks.common.shards import PartRef
-    from tasks.generate.engine import generate_parts
-    from tests.test_generate_failures import MARKERS, make_cfg, question, write_prompts
-    from tests.test_spend_ledger import segment, sent
-
     segment(tmp_path, "001", [sent("cut", 0.05, t=time.time() - 200.0), {"k": "g", "a": "cut", "g": "gen-never"}])
     write_prompts(tmp_path, [question("proof", i) for i in range(2)])
     with SimulatorServer(tokenizer_dir, SimConfig(seed=8)) as sim:
@@ -240,12 +220,6 @@ def test_a_cut_request_is_settled_at_zero_by_the_run_whose_answers_prove_records
 def test_an_account_window_still_waiting_is_reported_once(tmp_path: Path, tokenizer_dir: Path) -> None:
     """The opening and the closing account pass each judged the window holding a cut request whose generation is
     not over yet, and the run's settlement problems carried the same line twice."""
-    import time
-
-    from tasks.generate.engine import generate_parts
-    from tests.test_generate_failures import MARKERS, make_cfg
-    from tests.test_spend_ledger import acct, segment, sent
-
     now = time.time()
     segment(
         tmp_path,
@@ -257,14 +231,7 @@ def test_an_account_window_still_waiting_is_reported_once(tmp_path: Path, tokeni
         ],
     )
     with SimulatorServer(tokenizer_dir, SimConfig(seed=9)) as sim:
-        cfg = make_cfg(
-            tmp_path,
-            sim.base_url,
-            tokenizer_dir,
-            "chat",
-            account_settlement="exclusive_key",
-            account_settle_stable_s=0.1,
-        )
+        cfg = account_cfg(tmp_path, sim, tokenizer_dir)
         summary = generate_parts(cfg, [], MARKERS)
     problems = summary.settlement["problems"]
     waiting = [p for p in problems if "whose record is not in yet" in p]
