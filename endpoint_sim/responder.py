@@ -20,12 +20,15 @@ import random
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tasks.reconstruct.tokenizer_loading import tokenizer_hash
 
 REASONING_CLOSE = "</think>"
 
@@ -325,12 +328,29 @@ class _Lru(Generic[K, V]):
         self._data.clear()
 
 
+@dataclass(frozen=True)
+class _LoadedTokenizer:
+    tokenizer: PreTrainedTokenizerBase
+    vocab: dict[str, int]
+    special_ids: frozenset[int]
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(model_dir: str, files_hash: str) -> _LoadedTokenizer:
+    """One load per directory *content* (`files_hash`) and process: a 128k-token vocabulary takes ~1 s to load, a
+    server is started per test or demo stage, and nothing here changes a tokenizer or its vocabulary once loaded."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    special = frozenset(tokenizer.all_special_ids) | frozenset(tokenizer.get_added_vocab().values())
+    return _LoadedTokenizer(tokenizer, tokenizer.get_vocab(), special)
+
+
 class Responder:
     """Maps a prompt to its deterministic `SimSample`; tokenizer work is cached per prompt key (LRU)."""
 
     def __init__(self, model_dir: Path | str, config: SimConfig | None = None) -> None:
         self.config = config or SimConfig()
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        loaded = _load_tokenizer(str(Path(model_dir).resolve()), tokenizer_hash(Path(model_dir)))
+        self.tokenizer: PreTrainedTokenizerBase = loaded.tokenizer
         eos = self.tokenizer.eos_token_id
         if not isinstance(eos, int):
             raise ValueError(f"{model_dir}: tokenizer needs an eos id (the end of an answer)")
@@ -343,10 +363,8 @@ class Responder:
         if single and self.tokenizer.encode(REASONING_CLOSE, add_special_tokens=False) != [close]:
             single = False
         self.reasoning_close_id: int | None = close if single and isinstance(close, int) else None
-        self._vocab: dict[str, int] = self.tokenizer.get_vocab()
-        self._special_ids = frozenset(self.tokenizer.all_special_ids) | frozenset(
-            self.tokenizer.get_added_vocab().values()
-        )
+        self._vocab: dict[str, int] = loaded.vocab
+        self._special_ids = loaded.special_ids
         self.close_is_special: bool = self.reasoning_close_id in self.tokenizer.all_special_ids
         self._prompts: _Lru[str, tuple[int, ...]] = _Lru(self.config.cache_size)
         self._samples: _Lru[str, SimSample] = _Lru(self.config.cache_size)
