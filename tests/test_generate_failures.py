@@ -28,7 +28,7 @@ from tasks.common.errors import EndpointUnavailableError, FatalEndpointError
 from tasks.common.messages import prompt_messages, response_sample_id, sample_id
 from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, read_part, write_part
-from tasks.generate import CompletionMarkers, GenerateSummary, generate_parts
+from tasks.generate import CompletionMarkers, GenerateSummary, generate_parts, settlement
 from tasks.generate.chunks import chunk_paths, read_chunk
 from tasks.generate.client import OUTAGE_REASONS, EndpointClient, SampleOutcome
 from tasks.reconstruct.tokenizer_loading import render_prompt_ids
@@ -301,6 +301,7 @@ def test_server_concurrency_cap_is_found_by_the_adaptive_window(
 @pytest.mark.parametrize("mode", MODES)
 def test_timeouts_are_retried_and_exhaust_max_attempts(
     mode: str,
+    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     sim: SimulatorServer,
     local: Responder,
@@ -308,7 +309,9 @@ def test_timeouts_are_retried_and_exhaust_max_attempts(
     tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     """Non-streaming: the whole-request timeout. Streaming: the first chunks arrive, then the stream stalls, and
-    only the idle timeout can end it (the request timeout is far away)."""
+    only the idle timeout can end it (the request timeout is far away). The stalled streams' bills are looked up
+    at the run's end; how long that waits is not what this test is about."""
+    monkeypatch.setattr(settlement, "LOOKUP_AFTER_RUN_S", (0.05,))
     config = sim.update_config(
         failures=(
             FailureRule(kind="hang", rate=0.4, attempts=1, hang_s=10.0),

@@ -16,6 +16,7 @@ from endpoint_sim.responder import FailureRule, SimConfig
 from endpoint_sim.server import SimulatorServer
 from tasks.common.config import PipelineConfig
 from tasks.common.shards import PartRef
+from tasks.generate import settlement
 from tasks.generate.engine import generate_parts
 from tasks.generate.ledger import LedgerWriter, SpendLedger
 from tests.conftest import run_main
@@ -187,8 +188,16 @@ def test_requests_a_dead_endpoint_cut_are_settled_at_zero_once_their_generation_
         assert ledger.attempts["queued"].state == "pending" and totals.billed_usd == pytest.approx(provider)
 
 
+@pytest.fixture()
+def quick_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record that never comes is waited for 8.5 s per run at the production schedule; what these tests check
+    does not depend on how long."""
+    monkeypatch.setattr(settlement, "LOOKUP_BEFORE_RUN_S", (0.05,))
+    monkeypatch.setattr(settlement, "LOOKUP_AFTER_RUN_S", (0.05, 0.1))
+
+
 def test_a_cut_request_is_not_settled_at_zero_where_records_are_not_known_to_be_kept(
-    tmp_path: Path, tokenizer_dir: Path
+    tmp_path: Path, tokenizer_dir: Path, quick_lookups: None
 ) -> None:
     """An endpoint that keeps no generation records 404s every id: a missing record proves nothing there, so
     without a paid answer's record read back a cut request stays pending, whatever its age."""
@@ -200,7 +209,7 @@ def test_a_cut_request_is_not_settled_at_zero_where_records_are_not_known_to_be_
 
 
 def test_a_cut_request_is_settled_at_zero_by_the_run_whose_answers_prove_records_kept(
-    tmp_path: Path, tokenizer_dir: Path
+    tmp_path: Path, tokenizer_dir: Path, quick_lookups: None
 ) -> None:
     """A killed run left only a cut request (an id, no paid answer): the rerun's opening pass has no evidence that
     the endpoint keeps records. Its answers are that evidence; the closing pass read the first pass's "no" back
