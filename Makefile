@@ -68,7 +68,7 @@ test: lint
 	wait $$types; typed=$$?; cat $(VENV)/mypy.log; \
 	test $$tests -eq 0 && test $$typed -eq 0
 
-# What `make test` leaves out (its pytest takes 6-8 minutes on 2 cores), and CI runs after it: tests whose
+# What `make test` leaves out (its pytest takes 5-6 minutes on 2 cores), and CI runs after it: tests whose
 # length is real time (an endpoint down for 45 s under the CLI and under Prefect, the five-kill crash loop, two
 # nights of the deployment).
 test-long: $(REAL_STAMP)
