@@ -731,19 +731,20 @@ async def _generate_async(
     window = 2 * cfg.endpoint.max_in_flight
     async with EndpointClient(cfg, markers, tokenizer, ledger=ledger) as client:
         settler = Settler(cfg, client, ledger, spend)
-        await settler.before_run(sending=any(s.todo for s in states))
+        sending = any(s.todo for s in states)
+        await settler.before_run(sending=sending)
         prior = settler.ledger.totals()
         # a self-hosted server's cost is the configured prices by definition
         seen = cfg.endpoint.kind == "sglang_generate"
         client.budget = settler.budget = Budget(cfg.endpoint.max_cost_usd, prior.counted_usd, prices_seen=seen)
         if settler.by_generation:
             client.budget.reclaim = settler.mid_run
-        if cfg.endpoint.max_cost_usd is not None and cfg.endpoint.kind == "openai_chat" and any(s.todo for s in states):
+        buying = sending and cfg.endpoint.kind == "openai_chat"
+        if buying and cfg.endpoint.max_cost_usd is not None:
             listed = await asyncio.to_thread(listed_price_factor, cfg.endpoint)
             if listed is not None:
                 client.budget.raise_prices(*listed)
-        uncapped = cfg.endpoint.max_cost_usd is None and cfg.endpoint.kind == "openai_chat"
-        if uncapped and any(s.todo for s in states) and not on_this_network(cfg):
+        if buying and cfg.endpoint.max_cost_usd is None and not on_this_network(cfg):
             emit_event(
                 RunEvent(
                     "no_cap",

@@ -518,7 +518,7 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     content_end = ""
     if end_of_turn is None and after.strip():  # Nemotron-Nano-v2: content, then `\n<SPECIAL_12>`
         content_end = after[: len(after) - len(after.lstrip())]
-        end_of_turn = _longest_prefix(after[len(content_end) :], controls) if content_end else None
+        end_of_turn = _longest_prefix(after[len(content_end) :], controls)
     if end_of_turn is None and not after.strip():
         end_of_turn = _end_of_turn_before_next_user(tokenizer, user, template_kwargs, controls)
     if end_of_turn is None:
