@@ -32,7 +32,7 @@ from tasks.reconstruct.completion_format import resolve_format
 from tasks.reconstruct.repair import RepairTable
 from tasks.reconstruct.stage import SampleText, build_tokens_table
 from tasks.reconstruct.tokenizer_backend import backend_for
-from tasks.validate.checks import validate_tables
+from tasks.validate.checks import _Tally, validate_tables
 
 EOS = "<｜end▁of▁sentence｜>"
 USER: Any = [{"role": "user", "content": "Spell Zürich."}]
@@ -92,15 +92,32 @@ def test_a_reencoded_answer_cut_inside_a_character_ends_before_its_last_word(
     replacement = tokenizer.encode("\ufffd", add_special_tokens=False)
     assert replacement[0] in completions["broken"]
 
+    # What the provider bills: every token the model emitted, the cut word's and the partial byte's included.
+    cjk_emitted = [*tokenizer.encode("\u4f60\u597d\u4e16", add_special_tokens=False), *byte_ids(tokenizer, b"\xe7")]
+    billed = {"cut": len(emitted), "model": len(emitted), "broken": None, "cjk": len(cjk_emitted)}
     rows = [
         {"sample_id": s.sample_id, "dataset": "d", "status": "done", "content": s.content}
         | {"finish_reason": s.finish_reason, "attempts": 1, "output_ids": s.output_ids}
+        | {"completion_tokens": billed[s.sample_id]}
         for s in samples
     ]
     responses = pa.Table.from_pylist(rows, schema=RESPONSES)
     vcfg = ValidationConfig(allowed_finish_reasons=["stop", "length"])
     table, _ = validate_tables(tokens, responses, fmt, backend_for(tokenizer), vcfg)
     checks = {r["sample_id"]: r for r in table.to_pylist()}
+    # The bill is checked against the whole answer as re-encoding counts it, not against the kept prefix: the cut
+    # word and the cut character were billed and emitted, only not stored.
+    for sid, text in (("cut", "It is Z\ufffd"), ("cjk", "\u4f60\u597d\u4e16\ufffd")):
+        whole = len(tokenizer.encode(text, add_special_tokens=False))
+        assert checks[sid]["billing_delta_tokens"] == billed[sid] - whole, (sid, checks[sid])
+        assert abs(checks[sid]["billing_delta_tokens"]) <= 1 < billed[sid] - len(completions[sid])
+    assert checks["model"]["billing_delta_tokens"] == 0
+    tally = _Tally()
+    for row in table.to_pylist():
+        tally.add_row(row, vcfg)
+    billing = tally.billing()
+    assert billing["billed_completion_tokens"] == sum(n for n in billed.values() if n is not None)
+    assert billing["delta_tokens"] == sum(checks[sid]["billing_delta_tokens"] for sid in ("cut", "model", "cjk"))
     assert checks["cut"]["verdict"] == "warn" and checks["model"]["verdict"] != "fail", checks
     assert checks["cut"]["structural_issues"] == ["cut_inside_character:5 of 8 characters kept"]
     assert "replacement_character" in checks["broken"]["structural_issues"]

@@ -131,3 +131,33 @@ def test_repair_from_a_reference_run(tmp_path: Path, tokenizer_dir: Path, tokeni
     assert sum(first["loss_mask"]) == len(expected)
     plain = reconstruct_part(make_cfg(text_dir, tokenizer_dir), 0, DEMO)  # no repair: another recipe, rebuilt
     assert not plain["reused"] and plain["repaired_rows"] == 0
+
+
+def test_the_bill_of_an_answer_cut_inside_a_character_counts_the_cut_word(
+    tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """An answer cut by max_tokens inside "ü" is stored up to its last whole word, but the provider billed every
+    token the model emitted. Billed at the whole answer's re-encoded length (the model kept the merge), the
+    repair is refused; compared with the kept prefix alone, the cut word's tokens made the repair look closer to
+    the bill and it was applied."""
+    write_reference(tokenizer, tmp_path / "reference")
+    answer = "Then NORTH again. Z\ufffd"
+    whole = encode(tokenizer, f"{REASONING}</think>{answer}")
+    kept = encode(tokenizer, f"{REASONING}</think>Then NORTH again.")
+    assert 0 < len(whole) - len(kept) <= len(split_north(tokenizer, kept)) - len(kept)
+    convs = [[Message(role="user", content=f"Cut question {i}?")] for i in range(2)]
+    bills = [len(whole), len(whole) + 2]
+    rows = [
+        response_row(sid_of(c), REASONING, answer, completion_tokens=bill, finish_reason="length")
+        for c, bill in zip(convs, bills, strict=True)
+    ]
+    write_inputs(tmp_path / "text", 0, convs, rows)
+    cfg = make_cfg(tmp_path / "text", tokenizer_dir, repair_from=tmp_path / "reference")
+    stats = reconstruct_part(cfg, 0, DEMO)
+    out = {r["sample_id"]: r for r in read_part(PartRef(tmp_path / "text", "tokens", 0)).to_pylist()}
+    merge_kept, split_billed = (out[sid_of(c)] for c in convs)
+    assert merge_kept["token_source"] == "reencoded"
+    assert merge_kept["input_ids"][merge_kept["prompt_len"] :] == kept
+    assert split_billed["token_source"] == "repaired"
+    assert split_billed["input_ids"][split_billed["prompt_len"] :] == split_north(tokenizer, kept)
+    assert stats["repairs_refused_by_bill"] == 1

@@ -271,12 +271,14 @@ def _final_turn_rows(
                 completion_ids[i], at[i] = exact[0], exact[1:]
                 sources[i] = "model"
     refused = 0
+    cut_off = tokens_cut_off(backend, layouts, encoded) if repair is not None else {}
     for i, source in enumerate(sources):
         if repair is None or source != "reencoded":
             continue
         fixed, applied = repair.apply(backend, completion_ids[i])
+        cut = cut_off.get(i, 0)
         if applied and not no_further_from_bill(
-            len(completion_ids[i]), len(fixed), samples[i].billed_completion_tokens
+            len(completion_ids[i]) + cut, len(fixed) + cut, samples[i].billed_completion_tokens
         ):
             refused += 1
         elif applied:
@@ -305,6 +307,23 @@ def _final_turn_rows(
     mask = np.repeat(values, segments.ravel())
     lens = np.stack([segments[:, 0], segments[:, 1:].sum(axis=1), segments[:, 1]], axis=1)
     return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources, refused)
+
+
+def tokens_cut_off(
+    backend: TokenBackend, wholes: Sequence[CompletionLayout], kept: Sequence[CompletionLayout]
+) -> dict[int, int]:
+    """Per row that `without_cut_character` cut: how many tokens the cut took off, as re-encoding counts them (the
+    whole answer's text, its U+FFFD included, less the kept prefix).
+
+    The provider bills the whole answer, so a check against the bill must add these back: compared with the kept
+    prefix alone, every such row looked under-counted, and a CJK answer dropped with nothing kept counted all of
+    its billed tokens as a billing discrepancy (+11% on a 16-answer SmolLM2 run with one such answer)."""
+    rows = [i for i, (whole, part) in enumerate(zip(wholes, kept, strict=True)) if whole is not part]
+    if not rows:
+        return {}
+    whole_ids = backend.encode_batch([wholes[i].text for i in rows])
+    kept_ids = backend.encode_batch([kept[i].text for i in rows])
+    return {i: len(w) - len(k) for i, w, k in zip(rows, whole_ids, kept_ids, strict=True)}
 
 
 def no_further_from_bill(reencoded: int, repaired: int, billed: int | None) -> bool:

@@ -74,7 +74,7 @@ from tasks.reconstruct.completion_format import (
     normalized_parts,
     without_cut_character,
 )
-from tasks.reconstruct.stage import TOKEN_SOURCES
+from tasks.reconstruct.stage import TOKEN_SOURCES, tokens_cut_off
 from tasks.reconstruct.tokenizer_backend import TokenBackend, backend_for, describe_backend, first_difference
 from tasks.reconstruct.tokenizer_loading import load_tokenizer, tokenizer_hash, tokenizer_provenance
 from tasks.validate.failure_gates import FailedResponses, failed_gate_violations
@@ -486,6 +486,7 @@ def validate_tables(
     tol = vcfg.billing_tolerance_frac
     sources = tokens.column("token_source").to_pylist()
     layouts = []
+    wholes = []
     cut: dict[str, int] = {}
     for sid, source in zip(sample_ids, sources, strict=True):
         r = by_id.get(sid)
@@ -496,9 +497,11 @@ def validate_tables(
         stored = layout if source == "model" else without_cut_character(fmt, layout)
         if stored is not layout:
             cut[sid] = len(layout.text)
+        wholes.append(layout)
         layouts.append(stored)
     not_reencoded = [i for i, src in enumerate(sources) if src in ("model", "repaired")]
     reencoded = dict(zip(not_reencoded, backend.encode_batch([layouts[i].text for i in not_reencoded]), strict=True))
+    cut_off = tokens_cut_off(backend, wholes, layouts)
 
     rows: list[dict[str, Any]] = []
     for i, sid in enumerate(sample_ids):
@@ -548,8 +551,10 @@ def validate_tables(
         ours_len = len(completions[i])
         section = completions[i][: reasoning_lens[i]]
         ours_reasoning = int(len(section) - np.isin(section, control.format_ids).sum())
-        delta, frac, flagged = billing_delta(resp["completion_tokens"][r], ours_len, tol)
-        r_delta, _, r_flagged = billing_delta(billed_reasoning, ours_reasoning, tol)
+        cut_tokens = cut_off.get(i, 0)
+        cut_reasoning = cut_tokens if wholes[i].content_start >= len(wholes[i].text) else 0
+        delta, frac, flagged = billing_delta(resp["completion_tokens"][r], ours_len + cut_tokens, tol)
+        r_delta, _, r_flagged = billing_delta(billed_reasoning, ours_reasoning + cut_reasoning, tol)
         rows.append(
             {
                 "sample_id": sid,
@@ -592,7 +597,7 @@ def validate_tables(
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
-VALIDATE_CODE_VERSION = 4
+VALIDATE_CODE_VERSION = 5
 """Bump when a code change alters the validation rows computed from the same inputs."""
 
 
@@ -695,10 +700,10 @@ class _Tally:
         self.completion_tokens += row["our_completion_tokens"]
         if row["billed_completion_tokens"] is not None:
             self.billed += row["billed_completion_tokens"]
-            self.ours_billed += row["our_completion_tokens"]
+            self.ours_billed += row["billed_completion_tokens"] - row["billing_delta_tokens"]
         if row["billed_reasoning_tokens"] is not None:
             self.billed_reasoning += row["billed_reasoning_tokens"]
-            self.ours_reasoning += row["our_reasoning_tokens"] or 0
+            self.ours_reasoning += row["billed_reasoning_tokens"] - row["reasoning_delta_tokens"]
         self.flagged += bool(row["billing_flagged"])
 
     def rates(self) -> dict[str, Any]:
@@ -776,8 +781,10 @@ VALIDATION_SUMMARY_COLUMNS = [
     "structural_issues",
     "our_completion_tokens",
     "billed_completion_tokens",
+    "billing_delta_tokens",
     "billed_reasoning_tokens",
     "our_reasoning_tokens",
+    "reasoning_delta_tokens",
     "billing_flagged",
     "provider",
     "quantization",
