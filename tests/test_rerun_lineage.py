@@ -163,10 +163,17 @@ def test_config_changes_rebuild_exactly_the_stages_they_shape(tmp_path: Path, ti
         index = pa.concat_tables([read_part(r, ["layers"]) for r in done_parts(run_dir, "hidden_states")])
         assert set(map(tuple, index["layers"].to_pylist())) == {(1, 2, 5)}
 
+        # A validation setting that changes no verdict that leaves samples out re-extracts nothing.
+        tolerance = {"extract.layers": [1, 2, 5], "validation.billing_tolerance_frac": 0.5}
+        result = _run(run_dir, sim, tiny_model_dir, data, **tolerance)
+        tolerant = _builds(run_dir)
+        assert changed(layers, tolerant) == {"validation"}
+        assert result["status"]["consistent"], result["status"]["problems"]
+
         extra = {"extract.layers": [1, 2, 5], "reconstruct.loss_on_reasoning": False}
         _run(run_dir, sim, tiny_model_dir, data, **extra)
         rebuilt = _builds(run_dir)
-        assert changed(layers, rebuilt) == {"tokens", "validation", "hidden_states"}
+        assert changed(tolerant, rebuilt) == {"tokens", "validation", "hidden_states"}
         assert sim.stats(with_keys=False)["total_requests"] == sent, "a config change re-sent requests"
 
         scores = {str(r): read_marker(r)["fingerprint"] for r in done_parts(run_dir, SCORES_STAGE)}

@@ -30,11 +30,11 @@ import torch
 
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ConfigError
+from tasks.common.exclusions import excluded_ids, hidden_states_inputs
 from tasks.common.schemas import HIDDEN_STATES_INDEX
 from tasks.common.shards import (
     Build,
     PartRef,
-    input_fingerprints,
     is_current,
     read_marker,
     read_part,
@@ -158,11 +158,11 @@ def hidden_states_recipe(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def hidden_states_build(cfg: PipelineConfig, part: int) -> Build:
-    """The build a current hidden-states part records: its tokens part (and validation part, when failed
-    samples are skipped) and the recipe."""
+    """The build a current hidden-states part records: its tokens part (and, when failed samples are skipped,
+    which samples its validation part leaves out: `tasks.common.exclusions`) and the recipe."""
     out = PartRef(cfg.run_dir, HIDDEN_DIR, part)
-    stages = ("tokens", "validation") if cfg.extract.skip_failed_validation else ("tokens",)
-    return Build(input_fingerprints(out, stages), recipe_digest(hidden_states_recipe(cfg)))
+    inputs = hidden_states_inputs(out, cfg.extract.skip_failed_validation)
+    return Build(inputs, recipe_digest(hidden_states_recipe(cfg)))
 
 
 def index_current(cfg: PipelineConfig, part: int) -> bool:
@@ -243,10 +243,7 @@ def failed_validation_ids(cfg: PipelineConfig, part: int) -> set[str] | None:
     """Sample ids whose validation verdict is "fail" or "drop" (validation.tool_call_policy); None when this part
     has no finished validation part."""
     ref = PartRef(cfg.run_dir, "validation", part)
-    if not ref.is_done():
-        return None
-    columns = read_part(ref, columns=["sample_id", "verdict"]).to_pydict()
-    return {sid for sid, v in zip(columns["sample_id"], columns["verdict"], strict=True) if v in ("fail", "drop")}
+    return excluded_ids(ref) if ref.is_done() else None
 
 
 def extract_part(

@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from tasks.common.config import scores_extracted_with
+from tasks.common.exclusions import hidden_states_inputs
 from tasks.common.failures import FailureRecord, failure_class, rerun_action
 from tasks.common.schemas import REPORTS_DIR, SCORES_STAGE, STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state, reading_part
@@ -226,12 +227,6 @@ def _part_numbers(run_dir: Path, stage: str) -> list[int]:
     return sorted(nums)
 
 
-def _stage_inputs(stage: str, skip_failed_validation: bool) -> tuple[str, ...] | None:
-    if stage == "hidden_states" and not skip_failed_validation:
-        return ("tokens",)
-    return None
-
-
 def _run_config(run_dir: Path) -> dict[str, Any]:
     summary = run_dir / "run_summary.json"
     if summary.is_file():
@@ -402,7 +397,11 @@ def _reconcile(
         stale_ids[stage] = set()
         for part in numbers[stage]:
             ref = PartRef(run_dir, stage, part)
-            inputs = input_fingerprints(ref, _stage_inputs(stage, skip_failed_validation))
+            inputs = (
+                hidden_states_inputs(ref, skip_failed_validation)
+                if stage == "hidden_states"
+                else input_fingerprints(ref)
+            )
             state: PartState = part_state(ref, Build(inputs, recipes.get(stage)))
             if stage == "prompts" and state == "stale":
                 state = "current"  # prompts parts are append-only: they have no inputs to go stale against

@@ -62,6 +62,7 @@ import pyarrow as pa
 
 from tasks.common.config import PipelineConfig, ValidationConfig
 from tasks.common.errors import ConfigError, ReconstructionError, ValidationGateError
+from tasks.common.exclusions import EXCLUDED_STAT, EXCLUDED_VERDICTS, excluded_ids_digest
 from tasks.common.schemas import VALIDATION
 from tasks.common.shards import PartRef, done_parts, expected_build, is_current, read_marker, read_part, write_part
 from tasks.reconstruct.completion_format import (
@@ -635,6 +636,8 @@ def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict
         "completion_format": fmt.name,
         "validation": cfg.validation.model_dump(mode="json"),
     }
+    verdicts = zip(table.column("sample_id").to_pylist(), table.column("verdict").to_pylist(), strict=True)
+    stats[EXCLUDED_STAT] = excluded_ids_digest(sid for sid, v in verdicts if v in EXCLUDED_VERDICTS)
     write_part(out, table, provenance, stats, build)
     return {**stats, "reused": False}
 
