@@ -170,10 +170,11 @@ def test_config_changes_rebuild_exactly_the_stages_they_shape(tmp_path: Path, ti
         assert changed(layers, tolerant) == {"validation"}
         assert result["status"]["consistent"], result["status"]["problems"]
 
+        # A loss-mask setting rebuilds the tokens (and so validation), not the states: every id is the same.
         extra = {"extract.layers": [1, 2, 5], "reconstruct.loss_on_reasoning": False}
         _run(run_dir, sim, tiny_model_dir, data, **extra)
         rebuilt = _builds(run_dir)
-        assert changed(tolerant, rebuilt) == {"tokens", "validation", "hidden_states"}
+        assert changed(tolerant, rebuilt) == {"tokens", "validation"}
         assert sim.stats(with_keys=False)["total_requests"] == sent, "a config change re-sent requests"
 
         scores = {str(r): read_marker(r)["fingerprint"] for r in done_parts(run_dir, SCORES_STAGE)}

@@ -30,7 +30,6 @@ import torch
 
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ConfigError
-from tasks.common.exclusions import excluded_ids, hidden_states_inputs
 from tasks.common.schemas import HIDDEN_STATES_INDEX
 from tasks.common.shards import (
     Build,
@@ -42,6 +41,7 @@ from tasks.common.shards import (
     recipe_digest,
     write_part,
 )
+from tasks.common.state_inputs import excluded_ids, hidden_states_inputs
 from tasks.extract.capture import CapturedBatch, HostStager
 from tasks.extract.gpu_check import check_before_load
 from tasks.extract.score_head import ScoreHead
@@ -159,7 +159,7 @@ def hidden_states_recipe(cfg: PipelineConfig) -> dict[str, Any]:
 
 def hidden_states_build(cfg: PipelineConfig, part: int) -> Build:
     """The build a current hidden-states part records: its tokens part (and, when failed samples are skipped,
-    which samples its validation part leaves out: `tasks.common.exclusions`) and the recipe."""
+    which samples its validation part leaves out: `tasks.common.state_inputs`) and the recipe."""
     out = PartRef(cfg.run_dir, HIDDEN_DIR, part)
     inputs = hidden_states_inputs(out, cfg.extract.skip_failed_validation)
     return Build(inputs, recipe_digest(hidden_states_recipe(cfg)))

@@ -30,6 +30,7 @@ from tasks.common.config import PipelineConfig, ReconstructConfig
 from tasks.common.errors import ConfigError, ReconstructionError
 from tasks.common.messages import Message, prompt_messages
 from tasks.common.shards import PartRef, expected_build, is_current, read_marker, read_part, write_part
+from tasks.common.state_inputs import IDS_STAT, ids_digest
 from tasks.reconstruct.completion_format import (
     PRESETS,
     CompletionFormat,
@@ -521,6 +522,7 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
         samples = [replace(s, sent_at_s=sent[s.sample_id]) for s in samples]
     table, counts = build_tokens_table(tokenizer, fmt, samples, cfg.reconstruct, kwargs, repair)
     stats: dict[str, Any] = {**counts, "responses_not_done": not_done, "completion_format": fmt.name}
+    stats[IDS_STAT] = ids_digest(table)
     provenance = {
         **cfg.provenance(),
         **tokenizer_provenance(cfg.tokenizer),

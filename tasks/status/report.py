@@ -19,10 +19,10 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from tasks.common.config import scores_extracted_with
-from tasks.common.exclusions import hidden_states_inputs
 from tasks.common.failures import FailureRecord, failure_class, rerun_action
 from tasks.common.schemas import REPORTS_DIR, SCORES_STAGE, STAGES
 from tasks.common.shards import PART_RE, Build, PartRef, PartState, input_fingerprints, part_state, reading_part
+from tasks.common.state_inputs import hidden_states_inputs
 from tasks.prepare.datasets import QUARANTINE
 from tasks.status.status_cache import cached, status_key
 from tasks.validate.failure_gates import rerun_may_pass

@@ -62,9 +62,9 @@ import pyarrow as pa
 
 from tasks.common.config import PipelineConfig, ValidationConfig
 from tasks.common.errors import ConfigError, ReconstructionError, ValidationGateError
-from tasks.common.exclusions import EXCLUDED_STAT, EXCLUDED_VERDICTS, excluded_ids_digest
 from tasks.common.schemas import VALIDATION
 from tasks.common.shards import PartRef, done_parts, expected_build, is_current, read_marker, read_part, write_part
+from tasks.common.state_inputs import EXCLUDED_STAT, EXCLUDED_VERDICTS, excluded_ids_digest
 from tasks.reconstruct.completion_format import (
     CUT_CHARACTER,
     KNOWN_REASONING_TAGS,
