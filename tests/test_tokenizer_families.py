@@ -535,3 +535,83 @@ def test_a_written_format_must_say_the_newline_the_template_writes_before_its_en
     assert check.differences["content_end"] == ("", "\n")
     with pytest.raises(ValidationError, match="content_end"):
         CompletionFormatSpec(end_of_turn="<SPECIAL_12>", content_end="x")
+
+
+K3_CLOSING = "<|close|>response<|sep|><|close|>message<|sep|>"
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "instruct"])
+def test_kimi_k3s_closing_tags_are_written_before_its_end_of_turn(tmp_path: Path, thinking: bool) -> None:
+    """Kimi-K3 (llama.cpp's published template) ends every answer with `<|close|>response<|sep|><|close|>message
+    <|sep|><|end_of_msg|>` and stops at `<|end_of_msg|>`. Derivation took the first control token after the content
+    for the end of turn: every row stored `...content<|close|>` and lost the rest of what the model wrote, rows
+    without a reference passed with a 6-token billing delta, and with thinking on every row failed as
+    `doubled_open_tag` (its reasoning opens with `<|open|>think<|sep|>`, and `<|sep|>` alone ends every tag). Now
+    the stored ids are the template's own rendering of the answer, from text and from the model's ids alike, every
+    completion token carries loss, and validation passes them."""
+    kwargs = {} if thinking else {"thinking": False}
+    tok = F.shared("kimi_k3")
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert (fmt.end_of_turn, fmt.content_end) == ("<|end_of_msg|>", K3_CLOSING)
+    if thinking:
+        assert (fmt.reasoning_open, fmt.open_in_prompt) == ("<|open|>think<|sep|>", True)
+        assert fmt.reasoning_close == "<|close|>think<|sep|><|open|>response<|sep|>"
+    else:
+        assert not fmt.has_reasoning
+    truncated = completion_layout(fmt, "Plan." if thinking else None, "It is", truncated=True)
+    assert not truncated.text.endswith(("<|sep|>", "<|end_of_msg|>"))
+
+    conversations = [[Message(role="user", content=f"What is {i}+{i}?")] for i in range(3)]
+    reasoning = "Add them." if thinking else None
+    answers = [f"It is {2 * i}." for i in range(3)]
+    finished = []
+    for conv, answer in zip(conversations, answers, strict=True):
+        messages = [dict(m) for m in conv]
+        text = tok.apply_chat_template(
+            [*messages, {"role": "assistant", "content": answer, "reasoning_content": reasoning}],
+            tokenize=False,
+            **kwargs,
+        )
+        assert isinstance(text, str) and text.endswith(f"{answer}{K3_CLOSING}<|end_of_msg|>")
+        finished.append(tok.encode(text, add_special_tokens=False))
+    prompts = [render_prompt(tok, [dict(m) for m in c], kwargs) for c in conversations]
+    prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
+    # One answer as text alone (an OpenAI-style endpoint), one with the model's ids, one whose server returned the
+    # closing tags with the content.
+    responses = [
+        response_row(sid_of(conversations[0]), reasoning, answers[0]),
+        response_row(sid_of(conversations[1]), reasoning, answers[1], output_ids=finished[1][prompt_lens[1] :]),
+        response_row(sid_of(conversations[2]), reasoning, answers[2] + K3_CLOSING),
+    ]
+    cfg = PipelineConfig(
+        run_dir=tmp_path,
+        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
+        endpoint=EndpointConfig(model="tiny"),
+        tokenizer=TokenizerConfig(path=F.shared_dir("kimi_k3"), chat_template_kwargs=kwargs),
+    )
+    write_inputs(tmp_path, 0, conversations, responses)
+    reconstruct_part(cfg, 0, fmt)
+    validate_part(cfg, 0, fmt)
+    rows = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()}
+    checked = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "validation", 0)).to_pylist()}
+    for conv, expected in zip(conversations, finished, strict=True):
+        row, check = rows[sid_of(conv)], checked[sid_of(conv)]
+        assert row["input_ids"] == expected
+        assert all(row["loss_mask"][row["prompt_len"] :])
+        assert (check["verdict"], check["structural_issues"]) == ("pass", []), check
+    assert rows[sid_of(conversations[1])]["token_source"] == "model"
+    assert checked[sid_of(conversations[1])]["reference_match"] == "exact"
+
+
+def test_a_written_format_for_kimi_k3_must_say_its_closing_tags() -> None:
+    """Written out without the closing tags, a format for Kimi-K3 would drop them from every answer: the template
+    shows them, so the check names them; closing tags are accepted in `content_end`, other text is not."""
+    tok = F.shared("kimi_k3")
+    written = {"end_of_turn": "<|end_of_msg|>", "reasoning_open": "<|open|>think<|sep|>", "open_in_prompt": True}
+    written["reasoning_close"] = "<|close|>think<|sep|><|open|>response<|sep|>"
+    check = check_format(CompletionFormatSpec(**written), tok, {})
+    assert check.differences == {"content_end": ("", K3_CLOSING)}
+    assert check_format(CompletionFormatSpec(**written, content_end=K3_CLOSING), tok, {}).agrees
+    with pytest.raises(ValidationError, match="content_end"):
+        CompletionFormatSpec(**written, content_end="response message")

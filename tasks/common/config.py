@@ -310,9 +310,10 @@ class CompletionFormatSpec(StrictModel):
     content_separator: str = Field(default="", description="Text between the close tag and the content.")
     content_end: str = Field(
         default="",
-        pattern=r"^\s*$",
-        description="Whitespace between the content and end_of_turn, where the template writes one (Nemotron-Nano-v2: "
-        "'\\n' before <SPECIAL_12>).",
+        pattern=r"^(\s*|<\S*>)$",
+        description="What the template writes between the content and end_of_turn: whitespace (Nemotron-Nano-v2: "
+        "'\\n' before <SPECIAL_12>), or closing tags (Kimi-K3: '<|close|>response<|sep|><|close|>message<|sep|>' "
+        "before <|end_of_msg|>).",
     )
     omit_empty_reasoning: bool = Field(
         default=False,

@@ -54,10 +54,11 @@ class CompletionFormat:
     literals, the reasoning tags its generation prompt writes, the tool-call markers validation looks for); a
     tokenizer that disagrees is rejected before anything is sent (Kimi-K2's `<|im_end|>` is 163586; assuming
     163533, which decodes to "chas", once corrupted a run silently; DeepSeek-V4's `<think>` is 128821 where
-    V3.x has 128798). `content_end`: whitespace between the content and the end-of-turn token, where the
-    template strips the content and writes it (Nemotron-Nano-v2 ends a turn `\\n<SPECIAL_12>`): the model
-    learned to write it, and servers differ in whether they return it with the content, so it is removed from the
-    content once and written once.
+    V3.x has 128798). `content_end`: what the template writes between the content and the end-of-turn token:
+    whitespace, where it strips the content and writes it (Nemotron-Nano-v2 ends a turn `\\n<SPECIAL_12>`), or
+    closing tags (Kimi-K3 ends a turn `<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>`, and
+    stops at `<|end_of_msg|>`): the model learned to write it, and servers differ in whether they return it with
+    the content, so it is removed from the content once and written once.
     """
 
     name: str
@@ -84,16 +85,16 @@ class CompletionFormat:
             raise ConfigError(f"completion format {self.name!r}: {problem}")
         if not self.end_of_turn:
             raise ConfigError(f"completion format {self.name!r}: end_of_turn is empty")
-        if self.content_end.strip():
-            raise ConfigError(f"completion format {self.name!r}: content_end {self.content_end!r} is not whitespace")
         literals = "\x00".join((*self.literals(), self.content_separator))
         missing = [t for t in self.control_tokens if t not in literals]
         if missing:
             raise ConfigError(f"completion format {self.name!r}: control tokens {missing} are in none of its literals")
 
     def literals(self) -> tuple[str, ...]:
-        """The text the format itself adds around reasoning and content."""
-        return tuple(t for t in (self.reasoning_open, self.reasoning_close, self.end_of_turn) if t is not None)
+        """The text the format itself adds around reasoning and content (closing tags before the end of turn
+        included; whitespace there is not a literal)."""
+        tags = self.content_end if self.content_end.strip() else None
+        return tuple(t for t in (self.reasoning_open, self.reasoning_close, tags, self.end_of_turn) if t is not None)
 
     @property
     def has_reasoning(self) -> bool:
@@ -430,8 +431,9 @@ each must be one id even when the tokenizer's table lacks it, because a tokenize
 text pieces (a wrong or damaged tokenizer) would otherwise pass derivation and corrupt every sample."""
 
 
-def controls_in(text: str, controls: set[str]) -> tuple[str, ...]:
-    """The control tokens inside `text`, left to right (longest match first, as the tokenizer splits them)."""
+def control_sequence(text: str, controls: set[str]) -> tuple[str, ...]:
+    """Every control token inside `text`, left to right, repeats included (longest match first, as the tokenizer
+    splits them)."""
     found, at = [], 0
     while at < len(text):
         hit = _longest_prefix(text[at:], controls)
@@ -440,7 +442,12 @@ def controls_in(text: str, controls: set[str]) -> tuple[str, ...]:
             continue
         found.append(hit)
         at += len(hit)
-    return tuple(dict.fromkeys(found))
+    return tuple(found)
+
+
+def controls_in(text: str, controls: set[str]) -> tuple[str, ...]:
+    """The distinct control tokens inside `text`, left to right."""
+    return tuple(dict.fromkeys(control_sequence(text, controls)))
 
 
 def literal_controls(fmt: CompletionFormat, added: set[str]) -> tuple[str, ...]:
@@ -516,6 +523,9 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     after = plain[at + len(SENTINEL_CONTENT) :]
     end_of_turn = _longest_prefix(after, controls)
     content_end = ""
+    closing = _closing_tags(after, controls)
+    if closing is not None:  # Kimi-K3: `<|close|>response<|sep|><|close|>message<|sep|>`, then `<|end_of_msg|>`
+        content_end, end_of_turn = closing
     if end_of_turn is None and after.strip():  # Nemotron-Nano-v2: content, then `\n<SPECIAL_12>`
         content_end = after[: len(after) - len(after.lstrip())]
         end_of_turn = _longest_prefix(after[len(content_end) :], controls)
@@ -524,6 +534,29 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     if end_of_turn is None:
         raise ConfigError(f"chat template: assistant content is followed by {after[:40]!r}, not a special token")
     return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls, bare, content_end)
+
+
+def _closing_tags(after: str, controls: set[str]) -> tuple[str, str] | None:
+    """(closing tags, end-of-turn token) when the content is followed by a run of tags, control tokens with words
+    between them and no whitespace, that ends in a control token: Kimi-K3 closes its response and its message
+    (`<|close|>response<|sep|><|close|>message<|sep|>`) before `<|end_of_msg|>`, all of which the model writes.
+    Taking the first control token for the end of turn stored `<|close|>` and dropped the rest of every answer.
+    None for an end of turn that is one token, or control tokens alone (`<|im_end|>` then a newline)."""
+    at, last, words = 0, None, 0
+    while at < len(after) and not after[at].isspace():
+        token = _longest_prefix(after[at:], controls)
+        if token is not None:
+            at, last = at + len(token), token
+            continue
+        if last is None:
+            return None
+        end = at
+        while end < len(after) and not after[end].isspace() and _longest_prefix(after[end:], controls) is None:
+            end += 1
+        at, words, last = end, words + 1, None
+    if not words or last is None:
+        return None
+    return after[: at - len(last)], last
 
 
 CONTENT_BLOCK_SHAPES: tuple[Callable[[str | None, str], Any], ...] = (
@@ -652,7 +685,7 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
         at = _last_control(head, r.controls)
         if at < 0:
             raise ConfigError(f"chat template: the reasoning in {turn!r} opens without a control token")
-        opening, in_prompt = head[at:], True
+        opening, in_prompt = head[_tag_start(head, at, r.controls) :], True
     elif r.header.startswith(head) and close in r.header[len(head) :]:
         return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[len(head) :], close))
     elif (rest := _rest_of_close(r, head, close, separator)) is not None:
@@ -664,6 +697,19 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
     return CompletionFormat(
         "derived", opening, in_prompt, close, r.end_of_turn, reasoning_pad=pad, content_separator=separator
     )
+
+
+def _tag_start(text: str, at: int, controls: set[str]) -> int:
+    """Where the tag that ends with the control token at `at` starts: at the control token before it when only a
+    word lies between them (Kimi-K3 opens its reasoning with `<|open|>think<|sep|>`; `<|sep|>` alone also ends
+    every other tag, so it says nothing about where the reasoning starts); else `at`."""
+    before = text[:at]
+    ends = [(before.rfind(c) + len(c), before.rfind(c)) for c in controls if c in before]
+    if not ends:
+        return at
+    end, start = max(ends)
+    word = before[end:]
+    return start if word and not any(ch.isspace() for ch in word) and _longest_prefix(word, controls) is None else at
 
 
 def _rest_of_close(r: _Renders, head: str, close: str, separator: str) -> str | None:
@@ -811,16 +857,11 @@ def _derive(
         fmt, unseen = _from_hidden_reasoning(renders)
         seen = COMPARED_FIELDS - unseen
         visible = False
+    fmt = replace(fmt, omit_empty_reasoning=_omits_empty_block(fmt, renders), content_end=renders.content_end)
     controls = literal_controls(fmt, renders.controls)
     if not fmt.has_reasoning:  # a separator the model writes after a prompt that closed the block (Solar-Open)
         controls += tuple(c for c in controls_in(fmt.content_separator, renders.controls) if c not in controls)
-    derived = replace(
-        fmt,
-        control_tokens=controls,
-        omit_empty_reasoning=_omits_empty_block(fmt, renders),
-        content_end=renders.content_end,
-    )
-    return derived, seen, visible
+    return replace(fmt, control_tokens=controls), seen, visible
 
 
 def format_differences(a: CompletionFormat, b: CompletionFormat, compared: frozenset[str]) -> dict[str, Any]:

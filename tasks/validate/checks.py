@@ -71,7 +71,7 @@ from tasks.reconstruct.completion_format import (
     CompletionFormat,
     CompletionLayout,
     completion_layout,
-    controls_in,
+    control_sequence,
     normalized_parts,
     without_cut_character,
 )
@@ -245,8 +245,9 @@ def _trie_pattern(strings: set[str]) -> str:
 class ControlIds:
     """The tokenizer's added-token ids, and the ones a completion of this format legitimately contains.
 
-    `open_ids`/`close_ids`: ids of the control tokens inside the open and close literals (one each for
-    `<think>`/`</think>`, several for gpt-oss's channel switches).
+    `open_ids`/`close_ids`: ids of the control tokens inside the open and close literals, each as often as the
+    literal holds it (one each for `<think>`/`</think>`, several for gpt-oss's channel switches, `<|sep|>` twice in
+    Kimi-K3's close). `content_end_ids`: those of closing tags between the content and the end of turn (Kimi-K3).
     """
 
     added: dict[int, str]
@@ -256,24 +257,26 @@ class ControlIds:
     end_of_turn_id: int
     format_ids: np.ndarray
     added_pattern: re.Pattern[str]
+    content_end_ids: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, backend: TokenBackend, fmt: CompletionFormat) -> ControlIds:
         controls = set(backend.added.values())
 
         def ids_of(literal: str | None) -> tuple[int, ...]:
-            found = [backend.token_to_id(c) for c in controls_in(literal or "", controls)]
+            found = [backend.token_to_id(c) for c in control_sequence(literal or "", controls)]
             return tuple(i for i in found if i is not None)
 
         eot = backend.token_to_id(fmt.end_of_turn)
         if eot is None:
             raise ConfigError(f"end-of-turn {fmt.end_of_turn!r} is not in the tokenizer's vocabulary")
         open_ids, close_ids = ids_of(fmt.reasoning_open), ids_of(fmt.reasoning_close)
-        format_ids = np.asarray(sorted({*open_ids, *close_ids, eot}), dtype=np.int64)
+        end_ids = ids_of(fmt.content_end)
+        format_ids = np.asarray(sorted({*open_ids, *close_ids, *end_ids, eot}), dtype=np.int64)
         added = backend.added
         pattern = re.compile(_trie_pattern({s for s in added.values() if s}) or "(?!)")
         ids_array = np.fromiter(added, np.int64, count=len(added))
-        return cls(added, ids_array, open_ids, close_ids, eot, format_ids, pattern)
+        return cls(added, ids_array, open_ids, close_ids, eot, format_ids, pattern, end_ids)
 
 
 def _text_checked_tokens(fmt: CompletionFormat) -> set[str]:
@@ -303,6 +306,8 @@ def _section_controls(
         for where, section in sections.items()
     }
     found["reasoning"] -= expected
+    if layout.ends_turn:
+        found["content"] -= Counter(ids.content_end_ids)
     return found
 
 
