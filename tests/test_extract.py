@@ -23,6 +23,7 @@ from tasks.common.config import DatasetConfig, EndpointConfig, ExtractConfig, Pi
 from tasks.common.errors import CaptureMismatchError, ConfigError, InsufficientSpaceError, SchemaMismatchError
 from tasks.common.schemas import TOKENS, VALIDATION
 from tasks.common.shards import PartRef, read_part, read_provenance, write_part
+from tasks.common.state_inputs import IDS_STAT, ids_digest
 from tasks.extract.capture import CapturedBatch
 from tasks.extract.capture import plan_padded_batches as plan_batches
 from tasks.extract.hf_backend import HFHiddenStateRunner
@@ -80,7 +81,7 @@ def write_tokens(run_dir: Path, samples: dict[str, list[int]], part: int = 0) ->
         },
         schema=TOKENS,
     )
-    write_part(PartRef(run_dir, "tokens", part), table, {"test": True})
+    write_part(PartRef(run_dir, "tokens", part), table, {"test": True}, {IDS_STAT: ids_digest(table)})
 
 
 def write_validation(run_dir: Path, verdicts: dict[str, str], part: int = 0) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -64,9 +64,17 @@ def excluded_ids(validation: PartRef) -> set[str]:
 
 
 def tokens_ids_digest(tokens: PartRef) -> str | None:
-    """`ids_digest` of a finished tokens part (None: not finished, or damaged: `part_state` reads it as missing and
-    it is rebuilt); from its marker, or from its rows for a part written before markers recorded it."""
-    return _recorded_or(tokens, IDS_STAT, lambda: ids_digest(read_part(tokens, columns=IDS_COLUMNS)))
+    """`ids_digest` of a finished tokens part, from its marker (None: not finished, or damaged: `part_state` reads
+    it as missing and it is rebuilt). A part written before markers recorded it stands for itself by its
+    fingerprint: hashing its ids again would read every id of the run each time a part's state is asked, and such a
+    part changes only by being rebuilt, which records the digest."""
+    if not tokens.is_done():
+        return None
+    try:
+        recorded = read_marker(tokens).get("stats", {}).get(IDS_STAT)
+    except UNREADABLE:
+        return None
+    return recorded if isinstance(recorded, str) else f"fingerprint:{fingerprint(tokens)}"
 
 
 def exclusions_digest(validation: PartRef) -> str | None:
@@ -83,22 +91,23 @@ def hidden_states_inputs(out: PartRef, skip_failed_validation: bool) -> dict[str
     tokens, validation = out.with_stage("tokens"), out.with_stage("validation")
     marker = _marker(out)
     recorded = marker.get("inputs") if marker is not None else None
+    legacy = _legacy_shape(tokens, validation, skip_failed_validation)
     if marker is not None and recorded is None:
-        return _legacy_shape(tokens, validation, skip_failed_validation)
+        return legacy
+    if (
+        isinstance(recorded, dict)
+        and set(recorded) == set(legacy)
+        and recorded[LEGACY_TOKENS] == legacy[LEGACY_TOKENS]
+        and (
+            not skip_failed_validation
+            or recorded[LEGACY_VALIDATION] == legacy[LEGACY_VALIDATION]
+            or _same_exclusions(out, tokens, validation)
+        )
+    ):
+        return dict(recorded)
     inputs = {IDS_INPUT: tokens_ids_digest(tokens)}
     if skip_failed_validation:
         inputs[EXCLUDED_INPUT] = exclusions_digest(validation)
-    legacy = _legacy_shape(tokens, validation, skip_failed_validation)
-    if not isinstance(recorded, dict) or set(recorded) != set(legacy):
-        return inputs
-    if recorded[LEGACY_TOKENS] != legacy[LEGACY_TOKENS]:
-        return inputs
-    if (
-        not skip_failed_validation
-        or recorded[LEGACY_VALIDATION] == legacy[LEGACY_VALIDATION]
-        or (inputs[EXCLUDED_INPUT] is not None and _built_exclusions(out, tokens) == inputs[EXCLUDED_INPUT])
-    ):
-        return dict(recorded)
     return inputs
 
 
@@ -109,12 +118,12 @@ def _legacy_shape(tokens: PartRef, validation: PartRef, skip_failed_validation: 
     return shape
 
 
-def _recorded_or(ref: PartRef, stat: str, compute: Any) -> str | None:
+def _recorded_or(ref: PartRef, stat: str, compute: Callable[[], str]) -> str | None:
     if not ref.is_done():
         return None
     try:
         recorded = read_marker(ref).get("stats", {}).get(stat)
-        return recorded if isinstance(recorded, str) else str(compute())
+        return recorded if isinstance(recorded, str) else compute()
     except UNREADABLE:
         return None
 
@@ -126,6 +135,11 @@ def _marker(out: PartRef) -> dict[str, Any] | None:
         return read_marker(out)
     except UNREADABLE:
         return None
+
+
+def _same_exclusions(out: PartRef, tokens: PartRef, validation: PartRef) -> bool:
+    now = exclusions_digest(validation)
+    return now is not None and _built_exclusions(out, tokens) == now
 
 
 def _built_exclusions(out: PartRef, tokens: PartRef) -> str | None:
