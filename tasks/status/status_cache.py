@@ -30,10 +30,12 @@ def _code_digest() -> str:
     """The reconciliation code itself: a changed rule (a new failure class, a new state) invalidates results."""
     import tasks.common.failures
     import tasks.common.shards
+    import tasks.common.state_inputs
 
     digest = hashlib.sha256()
     sources = [Path(__file__).with_name("report.py")]  # read, not imported: report imports this module
-    sources += [Path(str(module.__file__)) for module in (tasks.common.failures, tasks.common.shards)]
+    modules = (tasks.common.failures, tasks.common.shards, tasks.common.state_inputs)
+    sources += [Path(str(module.__file__)) for module in modules]
     for source in sources:
         digest.update(source.read_bytes())
     return digest.hexdigest()
