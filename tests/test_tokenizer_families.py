@@ -33,6 +33,7 @@ from tasks.reconstruct.completion_format import (
     PRESETS,
     SENTINEL_CONTENT,
     SENTINEL_REASONING,
+    CompletionFormat,
     check_format,
     completion_layout,
     completion_text,
@@ -485,6 +486,18 @@ def test_a_prompt_that_closes_the_block_with_part_of_a_multi_token_close_leaves_
     assert resolve_format("auto", tok, {}).reasoning_close == "<|end|><|begin|>assistant<|content|>"
 
 
+def reconstructed_and_validated(
+    cfg: PipelineConfig, fmt: CompletionFormat, conversations: list[list[Message]], responses: list[dict[str, Any]]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Part 0 of these answers through reconstruct and validate: (tokens rows, validation rows) by sample id."""
+    write_inputs(cfg.run_dir, 0, conversations, responses)
+    reconstruct_part(cfg, 0, fmt)
+    validate_part(cfg, 0, fmt)
+    rows = {r["sample_id"]: r for r in read_part(PartRef(cfg.run_dir, "tokens", 0)).to_pylist()}
+    checked = {r["sample_id"]: r for r in read_part(PartRef(cfg.run_dir, "validation", 0)).to_pylist()}
+    return rows, checked
+
+
 def test_a_template_that_writes_a_newline_before_its_end_of_turn_derives_it(tmp_path: Path) -> None:
     """NVIDIA-Nemotron-Nano-v2 renders an answer as its stripped content, then `\\n<SPECIAL_12>`: the model writes
     the newline. Derivation refused the template ("followed by '\\n<SPECIAL_12>...', not a special token"). Servers
@@ -507,11 +520,7 @@ def test_a_template_that_writes_a_newline_before_its_end_of_turn_derives_it(tmp_
     answers = ["It is 0.", f"It is 2.{fmt.content_end}"]
     cfg = make_cfg(tmp_path, F.shared_dir("nemotron_nano_v2"))
     responses = [response_row(sid_of(c), None, a) for c, a in zip(conversations, answers, strict=True)]
-    write_inputs(tmp_path, 0, conversations, responses)
-    reconstruct_part(cfg, 0, fmt)
-    validate_part(cfg, 0, fmt)
-    rows = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()}
-    checked = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "validation", 0)).to_pylist()}
+    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
     for conv, answer in zip(conversations, answers, strict=True):
         messages = [dict(m) for m in conv]
         finished = tok.apply_chat_template(
@@ -590,11 +599,7 @@ def test_kimi_k3s_closing_tags_are_written_before_its_end_of_turn(tmp_path: Path
         endpoint=EndpointConfig(model="tiny"),
         tokenizer=TokenizerConfig(path=F.shared_dir("kimi_k3"), chat_template_kwargs=kwargs),
     )
-    write_inputs(tmp_path, 0, conversations, responses)
-    reconstruct_part(cfg, 0, fmt)
-    validate_part(cfg, 0, fmt)
-    rows = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "tokens", 0)).to_pylist()}
-    checked = {r["sample_id"]: r for r in read_part(PartRef(tmp_path, "validation", 0)).to_pylist()}
+    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
     for conv, expected in zip(conversations, finished, strict=True):
         row, check = rows[sid_of(conv)], checked[sid_of(conv)]
         assert row["input_ids"] == expected
