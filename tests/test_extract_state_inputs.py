@@ -200,7 +200,7 @@ def test_the_stages_record_the_digests_extraction_is_judged_by(tmp_path: Path, t
     for ref, stat in ((validation, EXCLUDED_STAT), (tokens, IDS_STAT)):
         recorded = read_marker(ref)
         without = {**recorded, "stats": {k: v for k, v in recorded["stats"].items() if k != stat}}
-        ref.marker.write_text(json.dumps(without))  # a part from before the digest: computed from its rows
-    assert exclusions_digest(validation) == excluded_ids_digest(left_out)
+        ref.marker.write_text(json.dumps(without))  # a part from before the digests
+    assert exclusions_digest(validation) == excluded_ids_digest(left_out)  # read off its verdict column
     # A tokens part from before the digest stands for itself by its fingerprint: its ids are never read again.
     assert tokens_ids_digest(tokens) == f"fingerprint:{fingerprint(tokens)}"
