@@ -17,7 +17,6 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from tasks.common.errors import SchemaMismatchError
@@ -41,11 +40,13 @@ UNREADABLE = (OSError, ValueError, SchemaMismatchError)
 
 def ids_digest(tokens: pa.Table) -> str:
     """Digest of each row's sample id, dataset, answer start and ids, in order."""
-    table = tokens.select(IDS_COLUMNS).combine_chunks()
-    ids = table.column("input_ids").chunk(0) if table.num_rows else None
-    offsets = ids.offsets.to_numpy() if ids is not None else np.zeros(1, dtype=np.int64)
-    values = ids.values.to_numpy(zero_copy_only=False).astype("<i8") if ids is not None else np.zeros(0, "<i8")
     digest = hashlib.sha256()
+    table = tokens.select(IDS_COLUMNS).combine_chunks()
+    if not table.num_rows:
+        return digest.hexdigest()
+    ids = table.column("input_ids").chunk(0)
+    offsets = ids.offsets.to_numpy()
+    values = ids.values.to_numpy(zero_copy_only=False).astype("<i8")
     rows = zip(*(table.column(c).to_pylist() for c in IDS_COLUMNS[:3]), offsets[:-1], offsets[1:], strict=True)
     for sample_id, dataset, prompt_len, start, end in rows:
         digest.update(json.dumps([sample_id, dataset, prompt_len, int(end - start)]).encode())
@@ -57,10 +58,15 @@ def excluded_ids_digest(ids: Iterable[str]) -> str:
     return hashlib.sha256("\n".join(sorted(set(ids))).encode()).hexdigest()
 
 
+def left_out(sample_ids: Iterable[str], verdicts: Iterable[str]) -> set[str]:
+    """The sample ids whose verdict leaves them out of extraction."""
+    return {sid for sid, v in zip(sample_ids, verdicts, strict=True) if v in EXCLUDED_VERDICTS}
+
+
 def excluded_ids(validation: PartRef) -> set[str]:
     """Sample ids of a finished validation part whose verdict leaves them out of extraction."""
     columns = read_part(validation, columns=["sample_id", "verdict"]).to_pydict()
-    return {sid for sid, v in zip(columns["sample_id"], columns["verdict"], strict=True) if v in EXCLUDED_VERDICTS}
+    return left_out(columns["sample_id"], columns["verdict"])
 
 
 def tokens_ids_digest(tokens: PartRef) -> str | None:
@@ -68,13 +74,7 @@ def tokens_ids_digest(tokens: PartRef) -> str | None:
     it as missing and it is rebuilt). A part written before markers recorded it stands for itself by its
     fingerprint: hashing its ids again would read every id of the run each time a part's state is asked, and such a
     part changes only by being rebuilt, which records the digest."""
-    if not tokens.is_done():
-        return None
-    try:
-        recorded = read_marker(tokens).get("stats", {}).get(IDS_STAT)
-    except UNREADABLE:
-        return None
-    return recorded if isinstance(recorded, str) else f"fingerprint:{fingerprint(tokens)}"
+    return _recorded_or(tokens, IDS_STAT, lambda: f"fingerprint:{fingerprint(tokens)}")
 
 
 def exclusions_digest(validation: PartRef) -> str | None:
@@ -119,20 +119,25 @@ def _legacy_shape(tokens: PartRef, validation: PartRef, skip_failed_validation: 
 
 
 def _recorded_or(ref: PartRef, stat: str, compute: Callable[[], str]) -> str | None:
-    if not ref.is_done():
+    """The digest a finished part's marker recorded under `stat`, else `compute()`; None when the part is not
+    finished or cannot be read."""
+    marker = _marker(ref)
+    if marker is None:
         return None
+    recorded = marker.get("stats", {}).get(stat)
+    if isinstance(recorded, str):
+        return recorded
     try:
-        recorded = read_marker(ref).get("stats", {}).get(stat)
-        return recorded if isinstance(recorded, str) else compute()
+        return compute()
     except UNREADABLE:
         return None
 
 
-def _marker(out: PartRef) -> dict[str, Any] | None:
-    if not out.is_done():
+def _marker(ref: PartRef) -> dict[str, Any] | None:
+    if not ref.is_done():
         return None
     try:
-        return read_marker(out)
+        return read_marker(ref)
     except UNREADABLE:
         return None
 

@@ -704,7 +704,7 @@ def _tag_start(text: str, at: int, controls: set[str]) -> int:
     word lies between them (Kimi-K3 opens its reasoning with `<|open|>think<|sep|>`; `<|sep|>` alone also ends
     every other tag, so it says nothing about where the reasoning starts); else `at`."""
     before = text[:at]
-    ends = [(before.rfind(c) + len(c), before.rfind(c)) for c in controls if c in before]
+    ends = [(start + len(c), start) for c in controls if (start := before.rfind(c)) >= 0]
     if not ends:
         return at
     end, start = max(ends)

@@ -64,7 +64,7 @@ from tasks.common.config import PipelineConfig, ValidationConfig
 from tasks.common.errors import ConfigError, ReconstructionError, ValidationGateError
 from tasks.common.schemas import VALIDATION
 from tasks.common.shards import PartRef, done_parts, expected_build, is_current, read_marker, read_part, write_part
-from tasks.common.state_inputs import EXCLUDED_STAT, EXCLUDED_VERDICTS, excluded_ids_digest
+from tasks.common.state_inputs import EXCLUDED_STAT, excluded_ids_digest, left_out
 from tasks.reconstruct.completion_format import (
     CUT_CHARACTER,
     KNOWN_REASONING_TAGS,
@@ -493,7 +493,6 @@ def validate_tables(
     sources = tokens.column("token_source").to_pylist()
     layouts = []
     wholes = []
-    cut: dict[str, int] = {}
     for sid, source in zip(sample_ids, sources, strict=True):
         r = by_id.get(sid)
         if r is None:
@@ -501,8 +500,6 @@ def validate_tables(
         truncated = resp["finish_reason"][r] == "length"
         layout = completion_layout(fmt, resp["reasoning"][r], resp["content"][r], truncated=truncated)
         stored = layout if source == "model" else without_cut_character(fmt, layout)
-        if stored is not layout:
-            cut[sid] = len(layout.text)
         wholes.append(layout)
         layouts.append(stored)
     not_reencoded = [i for i, src in enumerate(sources) if src in ("model", "repaired")]
@@ -535,8 +532,8 @@ def validate_tables(
             issues.append("roundtrip_mismatch")
         if sources[i] != "model" and CUT_CHARACTER in layout.text:
             issues.append("replacement_character")
-        if sid in cut:
-            issues.append(f"cut_inside_character:{len(layout.text)} of {cut[sid]} characters kept")
+        if wholes[i] is not layout:
+            issues.append(f"cut_inside_character:{len(layout.text)} of {len(wholes[i].text)} characters kept")
             if not layout.text:
                 issues.append("nothing_kept_after_cut")
         reference = output_ids[r].as_py() if has_output[r] else None
@@ -641,8 +638,8 @@ def validate_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> dict
         "completion_format": fmt.name,
         "validation": cfg.validation.model_dump(mode="json"),
     }
-    verdicts = zip(table.column("sample_id").to_pylist(), table.column("verdict").to_pylist(), strict=True)
-    stats[EXCLUDED_STAT] = excluded_ids_digest(sid for sid, v in verdicts if v in EXCLUDED_VERDICTS)
+    excluded = left_out(table.column("sample_id").to_pylist(), table.column("verdict").to_pylist())
+    stats[EXCLUDED_STAT] = excluded_ids_digest(excluded)
     write_part(out, table, provenance, stats, build)
     return {**stats, "reused": False}
 
