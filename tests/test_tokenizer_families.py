@@ -8,6 +8,7 @@ templates that drop reasoning are caught.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from tasks.reconstruct.completion_format import (
     SENTINEL_CONTENT,
     SENTINEL_REASONING,
     CompletionFormat,
+    _closed_before_eos,
     check_format,
     completion_layout,
     completion_text,
@@ -68,7 +70,12 @@ CASES: list[tuple[str, dict[str, Any], str, tuple[str, ...]]] = [
     ("kimi_k25", {"thinking": False}, "kimi_k2_instruct", ("kimi_k25_instruct", "kimi_k2_instruct")),
     ("gpt_oss", {}, "gpt_oss_harmony", ("gpt_oss_harmony",)),
 ]
-SOURCE = re.compile(r"Source checked against: [\w.-]+/[\w.-]+\s+models/templates/\S+\s+@ [0-9a-f]{12}|Reconstructed: ")
+SOURCE = re.compile(
+    r"Source checked against: ([\w.-]+/[\w.-]+\s+models/templates/\S+\s+@ [0-9a-f]{12}"
+    r"|llama-cpp-python [\d.]+ \(PyPI sdist\)\s+vendor/llama\.cpp/models/templates/\S+ .*sha256:[0-9a-f]{64})"
+    r"|Reconstructed: ",
+    re.DOTALL,
+)
 
 
 def test_every_fixture_template_names_its_source() -> None:
@@ -81,6 +88,22 @@ def test_every_fixture_template_names_its_source() -> None:
         assert text.startswith("{#-"), path.name
         header = text[: text.index("-#}")]
         assert SOURCE.search(header), f"{path.name}: header names no source"
+
+
+def test_a_template_that_states_its_hash_is_the_published_text() -> None:
+    """A header that says what the published text after it hashes to is checked: an edit below the header (a
+    template "fixed" to make a test pass) no longer passes as the provider's file."""
+    stated = 0
+    for path in sorted(F.TEMPLATES.glob("*.jinja")):
+        text = path.read_text()
+        header = text[: text.index("-#}")]
+        digest = re.search(r"sha256:([0-9a-f]{64})", header)
+        if digest is None or "after these five header lines" not in " ".join(header.split()):
+            continue
+        body = "".join(text.splitlines(keepends=True)[5:])
+        assert hashlib.sha256(body.encode()).hexdigest() == digest.group(1), path.name
+        stated += 1
+    assert stated >= 3
 
 
 def test_kimi_k25_inserts_no_default_system_prompt() -> None:
@@ -620,3 +643,82 @@ def test_a_written_format_for_kimi_k3_must_say_its_closing_tags() -> None:
     assert check_format(CompletionFormatSpec(**written, content_end=K3_CLOSING), tok, {}).agrees
     with pytest.raises(ValidationError, match="content_end"):
         CompletionFormatSpec(**written, content_end="response message")
+
+
+COHERE_KWARGS: list[dict[str, Any]] = [{}, {"reasoning": False}]
+
+
+@pytest.mark.parametrize("kwargs", COHERE_KWARGS, ids=["reasoning", "no_reasoning"])
+def test_cohere_ends_an_answer_with_two_control_tokens_and_stops_at_its_eos(
+    tmp_path: Path, kwargs: dict[str, Any]
+) -> None:
+    """Cohere's Command template (llama.cpp's Cohere2MoE) ends every answer `<|END_TEXT|><|END_OF_TURN_TOKEN|>`,
+    and the model stops at its eos `<|END_OF_TURN_TOKEN|>`. Derivation took the first control token after the
+    content for the end of turn: every row stored `...content<|END_TEXT|>`, one id short of what the model wrote
+    (a model-ids row failed its reference, a text row passed one token under its bill). Now `<|END_TEXT|>` is
+    the content's closing tag and the eos the end of turn: the stored ids are the template's own rendering, from
+    text (with or without the tag returned) and from the model's ids alike, and validation passes them."""
+    tok = F.shared("cohere2moe")
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert (fmt.end_of_turn, fmt.content_end) == ("<|END_OF_TURN_TOKEN|>", "<|END_TEXT|>")
+    reasoning = "Add them." if not kwargs else None
+    if reasoning:
+        assert (fmt.reasoning_open, fmt.open_in_prompt) == ("<|START_THINKING|>", True)
+        assert fmt.reasoning_close == "<|END_THINKING|><|START_TEXT|>"
+    else:
+        assert not fmt.has_reasoning and fmt.content_separator == "<|START_TEXT|>"
+    assert not completion_layout(fmt, reasoning, "It is", truncated=True).text.endswith("<|END_TEXT|>")
+
+    conversations = [[Message(role="user", content=f"What is {i}+{i}?")] for i in range(3)]
+    answers = [f"It is {2 * i}." for i in range(3)]
+    prompts = [render_prompt(tok, [dict(m) for m in c], kwargs) for c in conversations]
+    finished = []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assistant = {"role": "assistant", "content": answer, "reasoning_content": reasoning}
+        text = tok.apply_chat_template([{"role": "user", "content": "x"}, assistant], tokenize=False, **kwargs)
+        assert isinstance(text, str)
+        turn = text[text.index("<|CHATBOT_TOKEN|>", len(text) - 200) + len("<|CHATBOT_TOKEN|>") :]
+        if reasoning is None:  # the prompt already holds the closed block the history leaves out
+            turn = turn.removeprefix("<|START_THINKING|><|END_THINKING|>")
+            assert prompt.endswith("<|START_THINKING|><|END_THINKING|>")
+        else:
+            assert prompt.endswith("<|START_THINKING|>") and turn.startswith("<|START_THINKING|>")
+            turn = turn.removeprefix("<|START_THINKING|>")
+        assert turn.endswith(f"{answer}<|END_TEXT|><|END_OF_TURN_TOKEN|>")
+        finished.append(tok.encode(prompt + turn, add_special_tokens=False))
+    prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
+    responses = [
+        response_row(sid_of(conversations[0]), reasoning, answers[0]),
+        response_row(sid_of(conversations[1]), reasoning, answers[1], output_ids=finished[1][prompt_lens[1] :]),
+        response_row(sid_of(conversations[2]), reasoning, answers[2] + "<|END_TEXT|>"),
+    ]
+    cfg = PipelineConfig(
+        run_dir=tmp_path,
+        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
+        endpoint=EndpointConfig(model="tiny"),
+        tokenizer=TokenizerConfig(path=F.shared_dir("cohere2moe"), chat_template_kwargs=kwargs),
+    )
+    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
+    for conv, expected in zip(conversations, finished, strict=True):
+        row, check = rows[sid_of(conv)], checked[sid_of(conv)]
+        assert row["input_ids"] == expected
+        assert tok.convert_ids_to_tokens(row["input_ids"][-2:]) == ["<|END_TEXT|>", "<|END_OF_TURN_TOKEN|>"]
+        assert all(row["loss_mask"][row["prompt_len"] :])
+        assert (check["verdict"], check["structural_issues"]) == ("pass", []), check
+    assert rows[sid_of(conversations[1])]["token_source"] == "model"
+    assert checked[sid_of(conversations[1])]["reference_match"] == "exact"
+
+
+def test_a_run_of_control_tokens_that_starts_with_the_eos_ends_the_turn_there() -> None:
+    """The eos closes the turn only from inside the run after the content: where it comes first and the next
+    turn's tokens follow (DeepSeek `<｜end▁of▁sentence｜><｜User｜>`, Llama `<|eot_id|><|start_header_id|>`), or the
+    run holds no eos (Kimi-K2's `<|im_end|><|im_user|>`, its eos `[EOS]`), the end of turn stays the first token."""
+    controls = {"<e>", "<u>", "<t>", "<eos>"}
+    assert _closed_before_eos("<t><eos><u>x", controls, "<eos>") == ("<t>", "<eos>")
+    assert _closed_before_eos("<eos><u>x", controls, "<eos>") is None
+    assert _closed_before_eos("<e><u>x", controls, "<eos>") is None
+    assert _closed_before_eos("<t>\n<eos>", controls, "<eos>") is None
+    assert _closed_before_eos("<t><eos>", controls, None) is None
+    for family, kwargs in (("deepseek_v32", {"thinking": True}), ("kimi_k2_instruct", {}), ("qwen3", {})):
+        assert derive_format(F.shared(family), kwargs).content_end == ""

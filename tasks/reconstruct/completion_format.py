@@ -523,8 +523,8 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     after = plain[at + len(SENTINEL_CONTENT) :]
     end_of_turn = _longest_prefix(after, controls)
     content_end = ""
-    closing = _closing_tags(after, controls)
-    if closing is not None:  # Kimi-K3: `<|close|>response<|sep|><|close|>message<|sep|>`, then `<|end_of_msg|>`
+    closing = _closing_tags(after, controls) or _closed_before_eos(after, controls, tokenizer.eos_token)
+    if closing is not None:  # Kimi-K3 `<|close|>response<|sep|><|close|>message<|sep|>`, Cohere `<|END_TEXT|>`
         content_end, end_of_turn = closing
     if end_of_turn is None and after.strip():  # Nemotron-Nano-v2: content, then `\n<SPECIAL_12>`
         content_end = after[: len(after) - len(after.lstrip())]
@@ -557,6 +557,26 @@ def _closing_tags(after: str, controls: set[str]) -> tuple[str, str] | None:
     if not words or last is None:
         return None
     return after[: at - len(last)], last
+
+
+def _closed_before_eos(after: str, controls: set[str], eos: object) -> tuple[str, str] | None:
+    """(closing tokens, end-of-turn token) when the content is followed directly by control tokens, with no text
+    or whitespace between them, and the tokenizer's eos token is one of them after the first: Cohere's Command
+    models close the text, then the turn (`<|END_TEXT|><|END_OF_TURN_TOKEN|>`), both written by the model, which
+    stops at its eos `<|END_OF_TURN_TOKEN|>`. Taking the first control token for the end of turn stored
+    `...content<|END_TEXT|>` and dropped the model's last id from every answer. A run whose first token is the eos
+    (`<｜end▁of▁sentence｜><｜start▁of▁sentence｜>`: the next turn opens) or that holds no eos keeps the first."""
+    if not isinstance(eos, str) or not eos:
+        return None
+    run, at = [], 0
+    while (token := _longest_prefix(after[at:], controls)) is not None:
+        run.append(token)
+        at += len(token)
+        if token == eos:
+            break
+    if len(run) < 2 or run[-1] != eos or eos in run[:-1]:
+        return None
+    return "".join(run[:-1]), eos
 
 
 CONTENT_BLOCK_SHAPES: tuple[Callable[[str | None, str], Any], ...] = (

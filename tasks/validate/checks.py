@@ -247,7 +247,9 @@ class ControlIds:
 
     `open_ids`/`close_ids`: ids of the control tokens inside the open and close literals, each as often as the
     literal holds it (one each for `<think>`/`</think>`, several for gpt-oss's channel switches, `<|sep|>` twice in
-    Kimi-K3's close). `content_end_ids`: those of closing tags between the content and the end of turn (Kimi-K3).
+    Kimi-K3's close). `content_end_ids`: those of closing tags between the content and the end of turn (Kimi-K3,
+    Cohere's `<|END_TEXT|>`). `separator_ids`: those of a separator the model writes before the content (Cohere
+    with reasoning off opens `<|START_TEXT|>` after the closed block in its prompt).
     """
 
     added: dict[int, str]
@@ -258,6 +260,7 @@ class ControlIds:
     format_ids: np.ndarray
     added_pattern: re.Pattern[str]
     content_end_ids: tuple[int, ...] = ()
+    separator_ids: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, backend: TokenBackend, fmt: CompletionFormat) -> ControlIds:
@@ -271,12 +274,12 @@ class ControlIds:
         if eot is None:
             raise ConfigError(f"end-of-turn {fmt.end_of_turn!r} is not in the tokenizer's vocabulary")
         open_ids, close_ids = ids_of(fmt.reasoning_open), ids_of(fmt.reasoning_close)
-        end_ids = ids_of(fmt.content_end)
-        format_ids = np.asarray(sorted({*open_ids, *close_ids, *end_ids, eot}), dtype=np.int64)
+        end_ids, separator_ids = ids_of(fmt.content_end), ids_of(fmt.content_separator)
+        format_ids = np.asarray(sorted({*open_ids, *close_ids, *end_ids, *separator_ids, eot}), dtype=np.int64)
         added = backend.added
         pattern = re.compile(_trie_pattern({s for s in added.values() if s}) or "(?!)")
         ids_array = np.fromiter(added, np.int64, count=len(added))
-        return cls(added, ids_array, open_ids, close_ids, eot, format_ids, pattern, end_ids)
+        return cls(added, ids_array, open_ids, close_ids, eot, format_ids, pattern, end_ids, separator_ids)
 
 
 def _text_checked_tokens(fmt: CompletionFormat) -> set[str]:
@@ -301,6 +304,8 @@ def _section_controls(
         expected.update(ids.open_ids)
     if layout.content_start < len(layout.text):
         expected.update(ids.close_ids)
+    if fmt.content_separator and layout.text[: layout.content_start].endswith(fmt.content_separator):
+        expected.update(ids.separator_ids)
     found = {
         where: Counter(int(t) for t in section[np.isin(section, ids.added_array)])
         for where, section in sections.items()
@@ -600,7 +605,7 @@ def validate_tables(
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
-VALIDATE_CODE_VERSION = 5
+VALIDATE_CODE_VERSION = 6
 """Bump when a code change alters the validation rows computed from the same inputs."""
 
 
