@@ -722,3 +722,71 @@ def test_a_run_of_control_tokens_that_starts_with_the_eos_ends_the_turn_there() 
     assert _closed_before_eos("<t><eos>", controls, None) is None
     for family, kwargs in (("deepseek_v32", {"thinking": True}), ("kimi_k2_instruct", {}), ("qwen3", {})):
         assert derive_format(F.shared(family), kwargs).content_end == ""
+
+
+LAGUNA_THINKING = {"enable_thinking": True}
+
+
+def test_a_prompt_that_ends_at_the_open_tag_leaves_the_pad_to_the_model(tmp_path: Path) -> None:
+    """poolside Laguna-XS.2 with thinking on ends its generation prompt `<assistant>\\n<think>` and renders a turn
+    `<think>\\n` reasoning `\\n</think>\\n` content `\\n</assistant>`: the model writes the newline after the tag.
+    Derivation read the layout as Qwen3-2507's (`<think>\\n` in the prompt): a server that strips the reasoning's
+    leading newline (SGLang's parser, most APIs) gave rows one id short of what the model wrote, and a server
+    that does not gave the right ones. Now the pad is the model's (`model_writes_pad`): removed once from what is
+    returned and written once, so both give the template's own rendering, as do the model's ids."""
+    tok = F.shared("laguna_xs2")
+    fmt = resolve_format("auto", tok, LAGUNA_THINKING)
+    verify_special_tokens(tok, fmt)
+    assert (fmt.reasoning_open, fmt.open_in_prompt, fmt.model_writes_pad) == ("<think>", True, True)
+    assert (fmt.reasoning_pad, fmt.reasoning_close, fmt.content_separator) == ("\n", "</think>", "\n")
+    assert (fmt.content_end, fmt.end_of_turn) == ("\n", "</assistant>")
+    assert fmt.describe()["model_writes_pad"] is True and "model_writes_pad" not in PRESETS["qwen3_thinking"].describe()
+    assert completion_layout(fmt, "Plan", None, truncated=True).text == "\nPlan"
+
+    conversations = [[Message(role="user", content=f"What is {i}+{i}?")] for i in range(3)]
+    answers = [f"It is {2 * i}." for i in range(3)]
+    prompts = [render_prompt(tok, [dict(m) for m in c], LAGUNA_THINKING) for c in conversations]
+    assert all(p.endswith("<assistant>\n<think>") for p in prompts)
+    finished = []
+    for conv, answer in zip(conversations, answers, strict=True):
+        messages = [dict(m) for m in conv]
+        assistant = {"role": "assistant", "content": answer, "reasoning_content": "Add them."}
+        text = tok.apply_chat_template([*messages, assistant], tokenize=False, **LAGUNA_THINKING)
+        assert isinstance(text, str) and text.endswith(f"<think>\nAdd them.\n</think>\n{answer}\n</assistant>\n")
+        finished.append(tok.encode(text.removesuffix("\n"), add_special_tokens=False))
+    prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
+    # Reasoning stripped (most APIs), returned as the model wrote it (vLLM), and the model's ids.
+    responses = [
+        response_row(sid_of(conversations[0]), "Add them.", answers[0]),
+        response_row(sid_of(conversations[1]), "\nAdd them.\n", f"\n{answers[1]}\n"),
+        response_row(sid_of(conversations[2]), "Add them.", answers[2], output_ids=finished[2][prompt_lens[2] :]),
+    ]
+    cfg = PipelineConfig(
+        run_dir=tmp_path,
+        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
+        endpoint=EndpointConfig(model="tiny"),
+        tokenizer=TokenizerConfig(path=F.shared_dir("laguna_xs2"), chat_template_kwargs=LAGUNA_THINKING),
+    )
+    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
+    for conv, expected, prompt_len in zip(conversations, finished, prompt_lens, strict=True):
+        row, check = rows[sid_of(conv)], checked[sid_of(conv)]
+        assert row["input_ids"] == expected
+        assert tok.decode(row["input_ids"][prompt_len : prompt_len + 2]) == "\nAdd"
+        assert (check["verdict"], check["structural_issues"]) == ("pass", []), check
+    assert rows[sid_of(conversations[2])]["token_source"] == "model"
+    assert checked[sid_of(conversations[2])]["reference_match"] == "exact"
+
+
+def test_a_written_format_says_who_writes_the_pad() -> None:
+    """A format written out for Laguna-XS.2 as if its prompt held the pad is refused by the template (which shows
+    the prompt ending at the tag); `model_writes_pad` is only taken with an open tag in the prompt and a pad."""
+    tok = F.shared("laguna_xs2")
+    written: dict[str, Any] = {"reasoning_open": "<think>", "open_in_prompt": True, "reasoning_close": "</think>"}
+    written |= {"reasoning_pad": "\n", "content_separator": "\n", "content_end": "\n", "end_of_turn": "</assistant>"}
+    check = check_format(CompletionFormatSpec(**written), tok, LAGUNA_THINKING)
+    assert check.differences == {"model_writes_pad": (False, True)}
+    assert check_format(CompletionFormatSpec(**written, model_writes_pad=True), tok, LAGUNA_THINKING).agrees
+    with pytest.raises(ValidationError, match="model_writes_pad needs open_in_prompt"):
+        CompletionFormatSpec(**{**written, "open_in_prompt": False}, model_writes_pad=True)
+    with pytest.raises(ValidationError, match="model_writes_pad needs open_in_prompt"):
+        CompletionFormatSpec(**{**written, "reasoning_pad": ""}, model_writes_pad=True)

@@ -281,6 +281,7 @@ def format_fields_problem(
     open_in_prompt: bool,
     reasoning_pad: str,
     omit_empty_reasoning: bool = False,
+    model_writes_pad: bool = False,
 ) -> str | None:
     """What makes a completion format's reasoning fields inconsistent, or None: checked where a format is written
     in the config (at load, without importing transformers) and where any format is built. An answer can only
@@ -291,6 +292,10 @@ def format_fields_problem(
         return "open_in_prompt / reasoning_pad / omit_empty_reasoning set on a format without reasoning"
     if omit_empty_reasoning and open_in_prompt:
         return "omit_empty_reasoning with open_in_prompt: the generation prompt already opened the block"
+    if model_writes_pad and not (open_in_prompt and reasoning_pad):
+        return (
+            "model_writes_pad needs open_in_prompt and a reasoning_pad: it says who writes the pad after the open tag"
+        )
     return None
 
 
@@ -320,6 +325,11 @@ class CompletionFormatSpec(StrictModel):
         description="An answer without reasoning is its content alone, with no empty think block (the template "
         "renders such an answer so, e.g. Bielik-11B-v3 with thinking off).",
     )
+    model_writes_pad: bool = Field(
+        default=False,
+        description="With open_in_prompt: the generation prompt ends at the open tag and the model writes the "
+        "reasoning_pad after it (poolside Laguna-XS.2: prompt '<think>', turns '<think>\\n...\\n</think>').",
+    )
     control_tokens: tuple[str, ...] = Field(
         default=(),
         description="Control tokens inside the literals when a literal spans several; default: every token of the "
@@ -344,6 +354,7 @@ class CompletionFormatSpec(StrictModel):
             self.open_in_prompt,
             self.reasoning_pad,
             self.omit_empty_reasoning,
+            self.model_writes_pad,
         )
         if problem:
             raise ValueError(f"completion_format: {problem}")

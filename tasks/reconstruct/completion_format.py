@@ -38,10 +38,13 @@ class CompletionFormat:
     """The literal text around reasoning and content in one generated turn.
 
     `open_in_prompt`: the generation prompt already ends with `reasoning_open + reasoning_pad`, so the model's
-    output starts directly with the reasoning. `reasoning_pad`: whitespace the model writes inside the tags on
-    both sides of the reasoning (Qwen3 writes `<think>\\n...\\n</think>`). `content_separator`: text between
-    the close literal and the content; in a format without reasoning, what the model writes before the content
-    because its generation prompt already closed an empty think block (GLM-4.6 with thinking off ends its prompt
+    output starts directly with the reasoning; with `model_writes_pad` it ends at `reasoning_open` and the model
+    writes the pad first (poolside Laguna-XS.2 prompts `<think>` and renders turns `<think>\\n...\\n</think>`: a
+    server that strips the reasoning's leading newline would otherwise lose a token the model wrote).
+    `reasoning_pad`: whitespace the model writes inside the tags on both sides of the reasoning (Qwen3 writes
+    `<think>\\n...\\n</think>`). `content_separator`: text between the close literal and the content; in a format
+    without reasoning, what the model writes before the content because its generation prompt already closed an
+    empty think block (GLM-4.6 with thinking off ends its prompt
     with `<think></think>`, and the model writes a newline before the answer). The literals may span several
     control tokens and text (gpt-oss closes its analysis channel with
     `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then names the control tokens
@@ -72,6 +75,7 @@ class CompletionFormat:
     control_tokens: tuple[str, ...] = ()
     omit_empty_reasoning: bool = False
     content_end: str = ""
+    model_writes_pad: bool = False
 
     def __post_init__(self) -> None:
         problem = format_fields_problem(
@@ -80,6 +84,7 @@ class CompletionFormat:
             self.open_in_prompt,
             self.reasoning_pad,
             self.omit_empty_reasoning,
+            self.model_writes_pad,
         )
         if problem:
             raise ConfigError(f"completion format {self.name!r}: {problem}")
@@ -99,6 +104,13 @@ class CompletionFormat:
     @property
     def has_reasoning(self) -> bool:
         return self.reasoning_close is not None
+
+    def opening(self) -> str:
+        """What the model writes before its reasoning: the open tag and the pad, the pad alone where the prompt
+        ends at the tag (`model_writes_pad`), nothing where the prompt holds both."""
+        if self.model_writes_pad:
+            return self.reasoning_pad
+        return "" if self.open_in_prompt else f"{self.reasoning_open or ''}{self.reasoning_pad}"
 
     def omits_block(self, reasoning: str | None) -> bool:
         """An answer with this reasoning is laid out as its content alone: it has none, and the template leaves
@@ -120,14 +132,17 @@ class CompletionFormat:
         return dict(self.pinned_ids)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-safe field view, for provenance, error messages and the tokens recipe. `omit_empty_reasoning` and
-        `content_end` are left out at their defaults: the recipe of every format that existed before those fields
-        stays what it was, so an upgrade does not rebuild every tokens part and re-extract their hidden states."""
+        """JSON-safe field view, for provenance, error messages and the tokens recipe. `omit_empty_reasoning`,
+        `content_end` and `model_writes_pad` are left out at their defaults: the recipe of every format that
+        existed before those fields stays what it was, so an upgrade does not rebuild every tokens part and
+        re-extract their hidden states."""
         view = {f.name: getattr(self, f.name) for f in fields(self)}
         if not self.omit_empty_reasoning:
             del view["omit_empty_reasoning"]
         if not self.content_end:
             del view["content_end"]
+        if not self.model_writes_pad:
+            del view["model_writes_pad"]
         return view
 
 
@@ -287,7 +302,7 @@ def normalized_parts(
     if opening and not fmt.open_in_prompt and reasoning.lstrip().startswith(opening):
         reasoning = reasoning.lstrip()[len(opening) :]
     if fmt.reasoning_pad:
-        if not fmt.open_in_prompt:
+        if not fmt.open_in_prompt or fmt.model_writes_pad:
             reasoning = reasoning.removeprefix(fmt.reasoning_pad)
         if not (truncated and not content):
             reasoning = reasoning.removesuffix(fmt.reasoning_pad)
@@ -317,7 +332,7 @@ def completion_layout(
             raise ValueError(f"format {fmt.name!r} has no reasoning, but the response carries reasoning text")
         head = "" if truncated and not content else fmt.content_separator
     else:
-        opening = "" if fmt.open_in_prompt else f"{fmt.reasoning_open}{fmt.reasoning_pad}"
+        opening = fmt.opening()
         if truncated and not content:
             text = opening + reasoning
             return CompletionLayout(text, len(text), len(text))
@@ -343,10 +358,7 @@ def without_cut_character(fmt: CompletionFormat, layout: CompletionLayout) -> Co
     text = layout.text.rstrip(CUT_CHARACTER)
     if len(text) == len(layout.text) or layout.ends_turn:
         return layout
-    if layout.content_start < len(layout.text):
-        floor = layout.content_start
-    else:
-        floor = 0 if fmt.open_in_prompt else len(f"{fmt.reasoning_open or ''}{fmt.reasoning_pad}")
+    floor = layout.content_start if layout.content_start < len(layout.text) else len(fmt.opening())
     floor = min(floor, len(text))
     kept = text[:floor] + _LAST_WORD.sub("", text[floor:])
     return CompletionLayout(kept, min(layout.content_start, len(kept)), len(kept))
@@ -381,6 +393,7 @@ COMPARED_FIELDS = frozenset(
         "reasoning_pad",
         "content_separator",
         "content_end",
+        "model_writes_pad",
     }
 )
 
@@ -715,7 +728,14 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
             f"chat template: the generation prompt {r.header!r} does not lead into the rendered turn {turn!r}"
         )
     return CompletionFormat(
-        "derived", opening, in_prompt, close, r.end_of_turn, reasoning_pad=pad, content_separator=separator
+        "derived",
+        opening,
+        in_prompt,
+        close,
+        r.end_of_turn,
+        reasoning_pad=pad,
+        content_separator=separator,
+        model_writes_pad=in_prompt and bool(pad) and r.header == head,
     )
 
 
@@ -910,6 +930,7 @@ def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBas
         pinned_ids=tuple(spec.pinned_ids.items()),
         omit_empty_reasoning=spec.omit_empty_reasoning,
         content_end=spec.content_end,
+        model_writes_pad=spec.model_writes_pad,
     )
     controls = spec.control_tokens or literal_controls(fmt, set(added_tokens(tokenizer).values()))
     return replace(fmt, control_tokens=controls)
@@ -934,8 +955,9 @@ def _shown_to_a_written_format(
         extra["open_in_prompt"] = (fmt.open_in_prompt, opens)
     elif opens and fmt.reasoning_open:  # what follows the open tag in the prompt is the reasoning's leading pad
         shown_pad = header[header.rfind(fmt.reasoning_open.rstrip()) + len(fmt.reasoning_open.rstrip()) :]
-        if fmt.reasoning_open + fmt.reasoning_pad != fmt.reasoning_open.rstrip() + shown_pad:
-            extra["reasoning_pad"] = (fmt.reasoning_pad, shown_pad)
+        in_prompt = "" if fmt.model_writes_pad else fmt.reasoning_pad
+        if fmt.reasoning_open + in_prompt != fmt.reasoning_open.rstrip() + shown_pad:
+            extra["reasoning_pad"] = (in_prompt, shown_pad)
     return frozenset({"end_of_turn", "content_end"}), extra
 
 
