@@ -790,3 +790,67 @@ def test_a_written_format_says_who_writes_the_pad() -> None:
         CompletionFormatSpec(**{**written, "open_in_prompt": False}, model_writes_pad=True)
     with pytest.raises(ValidationError, match="model_writes_pad needs open_in_prompt"):
         CompletionFormatSpec(**{**written, "reasoning_pad": ""}, model_writes_pad=True)
+
+
+def test_an_answer_without_reasoning_gets_the_close_tag_alone_where_the_template_writes_it(tmp_path: Path) -> None:
+    """MiniMax-M3 in its default adaptive mode opens no block in the prompt; the model decides whether to think,
+    and the template renders an answer without reasoning as `</mm:think>` then the content (what its disabled
+    mode's prompt writes). Such answers were laid out with an empty block, `<mm:think></mm:think>`: one id the
+    model never wrote, and a row without reasoning was failed as hidden reasoning. Now the close tag alone is
+    written for them (`empty_reasoning_close_only`), answers with reasoning keep the whole block, and both are the
+    template's own rendering and pass; reasoning tokens billed for an answer returned without any still fail it."""
+    tok = F.shared("minimax_m3")
+    fmt = resolve_format("auto", tok, {})
+    verify_special_tokens(tok, fmt)
+    assert (fmt.reasoning_open, fmt.open_in_prompt, fmt.reasoning_close) == ("<mm:think>", False, "</mm:think>")
+    assert (fmt.end_of_turn, fmt.empty_reasoning_close_only, fmt.omit_empty_reasoning) == ("[e~[", True, False)
+    assert completion_text(fmt, None, "Hi.") == "</mm:think>Hi.[e~["
+    assert completion_text(fmt, "Plan.", "Hi.") == "<mm:think>Plan.</mm:think>Hi.[e~["
+    enabled = resolve_format("auto", tok, {"thinking_mode": "enabled"})
+    assert (enabled.open_in_prompt, enabled.empty_reasoning_close_only) == (True, False)
+    assert not resolve_format("auto", tok, {"thinking_mode": "disabled"}).has_reasoning
+
+    conversations = [[Message(role="user", content=f"What is {i}+{i}?")] for i in range(3)]
+    answers = [("Add them.", "It is 0."), (None, "It is 2."), (None, "It is 4.")]
+    finished = []
+    for conv, (reasoning, content) in zip(conversations, answers, strict=True):
+        assistant = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        text = tok.apply_chat_template([*(dict(m) for m in conv), assistant], tokenize=False)
+        assert isinstance(text, str)
+        finished.append(tok.encode(text.removesuffix("\n"), add_special_tokens=False))
+    billed = [
+        len(f) - len(tok.encode(render_prompt(tok, c, {}), add_special_tokens=False))
+        for f, c in zip(finished, conversations, strict=True)
+    ]
+    responses = [
+        response_row(sid_of(conversations[0]), *answers[0]),
+        response_row(sid_of(conversations[1]), *answers[1], reasoning_tokens=0, completion_tokens=billed[1]),
+        response_row(sid_of(conversations[2]), *answers[2], reasoning_tokens=40, completion_tokens=billed[2] + 40),
+    ]
+    cfg = PipelineConfig(
+        run_dir=tmp_path,
+        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
+        endpoint=EndpointConfig(model="tiny"),
+        tokenizer=TokenizerConfig(path=F.shared_dir("minimax_m3")),
+    )
+    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
+    for conv, expected in zip(conversations, finished, strict=True):
+        assert rows[sid_of(conv)]["input_ids"] == expected
+    assert tok.decode(finished[1]).endswith("ai\n</mm:think>It is 2.[e~[")
+    for conv in conversations[:2]:
+        assert (checked[sid_of(conv)]["verdict"], checked[sid_of(conv)]["structural_issues"]) == ("pass", [])
+    assert checked[sid_of(conversations[2])]["verdict"] == "fail"
+
+
+def test_a_written_format_says_how_an_answer_without_reasoning_is_written() -> None:
+    """Written out without the flag, a format for MiniMax-M3 would give answers without reasoning an open tag the
+    template never shows: the check names the field. It is refused with an open tag in the prompt, or with
+    `omit_empty_reasoning`."""
+    tok = F.shared("minimax_m3")
+    written: dict[str, Any] = {"reasoning_open": "<mm:think>", "reasoning_close": "</mm:think>", "end_of_turn": "[e~["}
+    check = check_format(CompletionFormatSpec(**written), tok, {})
+    assert check.differences == {"empty_reasoning_close_only": (False, True)}
+    assert check_format(CompletionFormatSpec(**written, empty_reasoning_close_only=True), tok, {}).agrees
+    for clash in ({"open_in_prompt": True}, {"omit_empty_reasoning": True}):
+        with pytest.raises(ValidationError, match="empty_reasoning_close_only needs"):
+            CompletionFormatSpec(**written, **clash, empty_reasoning_close_only=True)

@@ -282,6 +282,7 @@ def format_fields_problem(
     reasoning_pad: str,
     omit_empty_reasoning: bool = False,
     model_writes_pad: bool = False,
+    empty_reasoning_close_only: bool = False,
 ) -> str | None:
     """What makes a completion format's reasoning fields inconsistent, or None: checked where a format is written
     in the config (at load, without importing transformers) and where any format is built. An answer can only
@@ -292,6 +293,8 @@ def format_fields_problem(
         return "open_in_prompt / reasoning_pad / omit_empty_reasoning set on a format without reasoning"
     if omit_empty_reasoning and open_in_prompt:
         return "omit_empty_reasoning with open_in_prompt: the generation prompt already opened the block"
+    if empty_reasoning_close_only and (reasoning_open is None or open_in_prompt or omit_empty_reasoning):
+        return "empty_reasoning_close_only needs reasoning, a prompt that opens no block, and no omit_empty_reasoning"
     if model_writes_pad and not (open_in_prompt and reasoning_pad):
         return (
             "model_writes_pad needs open_in_prompt and a reasoning_pad: it says who writes the pad after the open tag"
@@ -325,6 +328,11 @@ class CompletionFormatSpec(StrictModel):
         description="An answer without reasoning is its content alone, with no empty think block (the template "
         "renders such an answer so, e.g. Bielik-11B-v3 with thinking off).",
     )
+    empty_reasoning_close_only: bool = Field(
+        default=False,
+        description="An answer without reasoning is the close tag, separator and content, with no open tag (the "
+        "template renders such an answer so, e.g. MiniMax-M3 in adaptive mode: '</mm:think>' then the content).",
+    )
     model_writes_pad: bool = Field(
         default=False,
         description="With open_in_prompt: the generation prompt ends at the open tag and the model writes the "
@@ -355,6 +363,7 @@ class CompletionFormatSpec(StrictModel):
             self.reasoning_pad,
             self.omit_empty_reasoning,
             self.model_writes_pad,
+            self.empty_reasoning_close_only,
         )
         if problem:
             raise ValueError(f"completion_format: {problem}")

@@ -76,6 +76,7 @@ class CompletionFormat:
     omit_empty_reasoning: bool = False
     content_end: str = ""
     model_writes_pad: bool = False
+    empty_reasoning_close_only: bool = False
 
     def __post_init__(self) -> None:
         problem = format_fields_problem(
@@ -85,6 +86,7 @@ class CompletionFormat:
             self.reasoning_pad,
             self.omit_empty_reasoning,
             self.model_writes_pad,
+            self.empty_reasoning_close_only,
         )
         if problem:
             raise ConfigError(f"completion format {self.name!r}: {problem}")
@@ -117,6 +119,11 @@ class CompletionFormat:
         the empty block out (`omit_empty_reasoning`)."""
         return self.omit_empty_reasoning and not (reasoning or "").strip()
 
+    def closes_only(self, reasoning: str | None) -> bool:
+        """An answer with this reasoning is laid out as the close tag, separator and content: it has none, and the
+        template writes no open tag for it (`empty_reasoning_close_only`)."""
+        return self.empty_reasoning_close_only and not (reasoning or "").strip()
+
     def special_tokens(self) -> tuple[str, ...]:
         """The control-token strings this format relies on (its literals' control tokens, then every other pinned
         token); each must encode to exactly one id."""
@@ -133,16 +140,17 @@ class CompletionFormat:
 
     def describe(self) -> dict[str, Any]:
         """JSON-safe field view, for provenance, error messages and the tokens recipe. `omit_empty_reasoning`,
-        `content_end` and `model_writes_pad` are left out at their defaults: the recipe of every format that
-        existed before those fields stays what it was, so an upgrade does not rebuild every tokens part and
-        re-extract their hidden states."""
+        `content_end`, `model_writes_pad` and `empty_reasoning_close_only` are left out at their defaults: the
+        recipe of every format that existed before those fields stays what it was, so an upgrade does not rebuild
+        every tokens part and re-extract their hidden states."""
         view = {f.name: getattr(self, f.name) for f in fields(self)}
         if not self.omit_empty_reasoning:
             del view["omit_empty_reasoning"]
         if not self.content_end:
             del view["content_end"]
-        if not self.model_writes_pad:
-            del view["model_writes_pad"]
+        for flag in ("model_writes_pad", "empty_reasoning_close_only"):
+            if not view[flag]:
+                del view[flag]
         return view
 
 
@@ -327,6 +335,8 @@ def completion_layout(
     reasoning, content = normalized_parts(fmt, reasoning, content, truncated)
     if fmt.omits_block(reasoning):
         head = ""
+    elif fmt.closes_only(reasoning) and (content or not truncated):
+        head = f"{fmt.reasoning_close}{fmt.content_separator}"
     elif not fmt.has_reasoning:
         if reasoning.strip():
             raise ValueError(f"format {fmt.name!r} has no reasoning, but the response carries reasoning text")
@@ -394,6 +404,7 @@ COMPARED_FIELDS = frozenset(
         "content_separator",
         "content_end",
         "model_writes_pad",
+        "empty_reasoning_close_only",
     }
 )
 
@@ -723,6 +734,10 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
         return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[len(head) :], close))
     elif (rest := _rest_of_close(r, head, close, separator)) is not None:
         return _no_reasoning(r.end_of_turn, rest)
+    elif r.header.rstrip().endswith(close) and close in r.bare[: r.bare.find(SENTINEL_CONTENT)]:
+        # The prompt closes a block it never opened, with the tag the turn shows (MiniMax-M3's disabled mode ends
+        # `</mm:think>`), and so does the render of an answer without reasoning: the model writes none.
+        return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[r.header.rfind(close) :], close))
     else:
         raise ConfigError(
             f"chat template: the generation prompt {r.header!r} does not lead into the rendered turn {turn!r}"
@@ -773,6 +788,16 @@ def _omits_empty_block(fmt: CompletionFormat, r: _Renders) -> bool:
     opens no reasoning: the model, asked for no reasoning, writes no think block. Templates that render an
     empty block there (Qwen3's `<think>\n\n</think>\n\n`, GLM-4.6's) keep it."""
     return fmt.has_reasoning and not fmt.open_in_prompt and r.bare.startswith(r.header + SENTINEL_CONTENT)
+
+
+def _closes_empty_block(fmt: CompletionFormat, r: _Renders) -> bool:
+    """The template renders an answer without reasoning as the close tag and its content, with no open tag, after a
+    generation prompt that opens no block: MiniMax-M3 in its default adaptive mode renders `</mm:think>` before
+    such an answer (as its disabled mode's prompt does), so the model, not thinking, writes the close alone. Laid
+    out with an empty block, every such row held an open tag the model never wrote."""
+    if not fmt.has_reasoning or fmt.open_in_prompt or fmt.omit_empty_reasoning:
+        return False
+    return r.bare.startswith(f"{r.header}{fmt.reasoning_close}{fmt.content_separator}{SENTINEL_CONTENT}")
 
 
 def _closed_in_prompt(r: _Renders) -> CompletionFormat | None:
@@ -898,6 +923,7 @@ def _derive(
         seen = COMPARED_FIELDS - unseen
         visible = False
     fmt = replace(fmt, omit_empty_reasoning=_omits_empty_block(fmt, renders), content_end=renders.content_end)
+    fmt = replace(fmt, empty_reasoning_close_only=_closes_empty_block(fmt, renders))
     controls = literal_controls(fmt, renders.controls)
     if not fmt.has_reasoning:  # a separator the model writes after a prompt that closed the block (Solar-Open)
         controls += tuple(c for c in controls_in(fmt.content_separator, renders.controls) if c not in controls)
@@ -931,6 +957,7 @@ def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBas
         omit_empty_reasoning=spec.omit_empty_reasoning,
         content_end=spec.content_end,
         model_writes_pad=spec.model_writes_pad,
+        empty_reasoning_close_only=spec.empty_reasoning_close_only,
     )
     controls = spec.control_tokens or literal_controls(fmt, set(added_tokens(tokenizer).values()))
     return replace(fmt, control_tokens=controls)

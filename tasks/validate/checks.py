@@ -192,10 +192,11 @@ def hidden_reasoning(fmt: CompletionFormat, reasoning: str, billed_reasoning_tok
     """A reasoning format's answer came back without the reasoning the model wrote. Where the layout writes an
     empty think block for it, that block is made up, so any answer without reasoning counts; where the template
     writes such an answer as content alone (`omit_empty_reasoning`, e.g. a thinking-off run), it is a real answer,
-    and only reasoning tokens the provider billed say the model wrote reasoning that is missing."""
+    and only reasoning tokens the provider billed say the model wrote reasoning that is missing; so where it writes
+    the close tag alone for it (`empty_reasoning_close_only`, MiniMax-M3 in adaptive mode)."""
     if not fmt.has_reasoning or reasoning.strip():
         return False
-    return not fmt.omits_block(reasoning) or bool(billed_reasoning_tokens)
+    return not (fmt.omits_block(reasoning) or fmt.closes_only(reasoning)) or bool(billed_reasoning_tokens)
 
 
 def text_issues(
