@@ -44,24 +44,27 @@ class CompletionFormat:
     `reasoning_pad`: whitespace the model writes inside the tags on both sides of the reasoning (Qwen3 writes
     `<think>\\n...\\n</think>`). `content_separator`: text between the close literal and the content; in a format
     without reasoning, what the model writes before the content because its generation prompt already closed an
-    empty think block (GLM-4.6 with thinking off ends its prompt
-    with `<think></think>`, and the model writes a newline before the answer). The literals may span several
-    control tokens and text (gpt-oss closes its analysis channel with
-    `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then names the control tokens
-    inside them, each of which must be exactly one id. `omit_empty_reasoning`: an answer without reasoning is
-    its content alone, because the template renders it so after a generation prompt that opens no block
-    (Bielik-11B-v3 and LFM2.5 with thinking off write no think block; writing an empty one gave ids the model
-    never produced); where it is False such an answer gets the empty block (Qwen3 renders `<think>\n\n</think>`
-    for it). `pinned_ids`: ids from the
-    family's published `tokenizer_config.json`, for every family-specific token the preset relies on (its
-    literals, the reasoning tags its generation prompt writes, the tool-call markers validation looks for); a
-    tokenizer that disagrees is rejected before anything is sent (Kimi-K2's `<|im_end|>` is 163586; assuming
-    163533, which decodes to "chas", once corrupted a run silently; DeepSeek-V4's `<think>` is 128821 where
-    V3.x has 128798). `content_end`: what the template writes between the content and the end-of-turn token:
-    whitespace, where it strips the content and writes it (Nemotron-Nano-v2 ends a turn `\\n<SPECIAL_12>`), or
-    closing tags (Kimi-K3 ends a turn `<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>`, and
-    stops at `<|end_of_msg|>`): the model learned to write it, and servers differ in whether they return it with
-    the content, so it is removed from the content once and written once.
+    empty think block (GLM-4.6 with thinking off ends its prompt with `<think></think>`, and the model writes a
+    newline before the answer). The literals may span several control tokens and text (gpt-oss closes its
+    analysis channel with `<|end|><|start|>assistant<|channel|>final<|message|>`); `control_tokens` then names
+    the control tokens inside them, each of which must be exactly one id.
+
+    An answer without reasoning, after a generation prompt that opens no block, is laid out as the template
+    renders it: its content alone with `omit_empty_reasoning` (Bielik-11B-v3 and LFM2.5 with thinking off write no
+    think block; writing an empty one gave ids the model never produced), the close tag and its content with
+    `empty_reasoning_close_only` (MiniMax-M3 in adaptive mode writes `</mm:think>` alone), and otherwise the
+    empty block (Qwen3 renders `<think>\n\n</think>` for it).
+
+    `pinned_ids`: ids from the family's published `tokenizer_config.json`, for every family-specific token the
+    preset relies on (its literals, the reasoning tags its generation prompt writes, the tool-call markers
+    validation looks for); a tokenizer that disagrees is rejected before anything is sent (Kimi-K2's `<|im_end|>`
+    is 163586; assuming 163533, which decodes to "chas", once corrupted a run silently; DeepSeek-V4's `<think>`
+    is 128821 where V3.x has 128798). `content_end`: what the template writes between the content and the
+    end-of-turn token: whitespace, where it strips the content and writes it (Nemotron-Nano-v2 ends a turn
+    `\\n<SPECIAL_12>`), or closing tags (Kimi-K3 ends a turn `<|close|>response<|sep|><|close|>message<|sep|>
+    <|end_of_msg|>` and stops at `<|end_of_msg|>`; Cohere ends one `<|END_TEXT|><|END_OF_TURN_TOKEN|>`): the model
+    learned to write it, and servers differ in whether they return it with the content, so it is removed from
+    the content once and written once.
     """
 
     name: str
