@@ -521,6 +521,34 @@ def reconstructed_and_validated(
     return rows, checked
 
 
+def family_cfg(tmp_path: Path, family: str, kwargs: dict[str, Any] | None = None) -> PipelineConfig:
+    """A run over `family`'s shared tokenizer, with the chat-template kwargs the server renders with."""
+    return PipelineConfig(
+        run_dir=tmp_path,
+        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
+        endpoint=EndpointConfig(model="tiny"),
+        tokenizer=TokenizerConfig(path=F.shared_dir(family), chat_template_kwargs=kwargs or {}),
+    )
+
+
+def assert_template_rows(
+    rows: dict[str, dict[str, Any]],
+    checked: dict[str, dict[str, Any]],
+    conversations: list[list[Message]],
+    finished: list[list[int]],
+    model_row: int,
+) -> None:
+    """Every row holds the template's own rendering of its answer, carries loss on every completion token and
+    passes validation; the row answered with the model's ids stores them and matches that reference exactly."""
+    for conv, expected in zip(conversations, finished, strict=True):
+        row, check = rows[sid_of(conv)], checked[sid_of(conv)]
+        assert row["input_ids"] == expected
+        assert all(row["loss_mask"][row["prompt_len"] :])
+        assert (check["verdict"], check["structural_issues"]) == ("pass", []), check
+    assert rows[sid_of(conversations[model_row])]["token_source"] == "model"
+    assert checked[sid_of(conversations[model_row])]["reference_match"] == "exact"
+
+
 def test_a_template_that_writes_a_newline_before_its_end_of_turn_derives_it(tmp_path: Path) -> None:
     """NVIDIA-Nemotron-Nano-v2 renders an answer as its stripped content, then `\\n<SPECIAL_12>`: the model writes
     the newline. Derivation refused the template ("followed by '\\n<SPECIAL_12>...', not a special token"). Servers
@@ -616,20 +644,9 @@ def test_kimi_k3s_closing_tags_are_written_before_its_end_of_turn(tmp_path: Path
         response_row(sid_of(conversations[1]), reasoning, answers[1], output_ids=finished[1][prompt_lens[1] :]),
         response_row(sid_of(conversations[2]), reasoning, answers[2] + K3_CLOSING),
     ]
-    cfg = PipelineConfig(
-        run_dir=tmp_path,
-        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
-        endpoint=EndpointConfig(model="tiny"),
-        tokenizer=TokenizerConfig(path=F.shared_dir("kimi_k3"), chat_template_kwargs=kwargs),
-    )
+    cfg = family_cfg(tmp_path, "kimi_k3", kwargs)
     rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
-    for conv, expected in zip(conversations, finished, strict=True):
-        row, check = rows[sid_of(conv)], checked[sid_of(conv)]
-        assert row["input_ids"] == expected
-        assert all(row["loss_mask"][row["prompt_len"] :])
-        assert (check["verdict"], check["structural_issues"]) == ("pass", []), check
-    assert rows[sid_of(conversations[1])]["token_source"] == "model"
-    assert checked[sid_of(conversations[1])]["reference_match"] == "exact"
+    assert_template_rows(rows, checked, conversations, finished, model_row=1)
 
 
 def test_a_written_format_for_kimi_k3_must_say_its_closing_tags() -> None:
@@ -693,21 +710,12 @@ def test_cohere_ends_an_answer_with_two_control_tokens_and_stops_at_its_eos(
         response_row(sid_of(conversations[1]), reasoning, answers[1], output_ids=finished[1][prompt_lens[1] :]),
         response_row(sid_of(conversations[2]), reasoning, answers[2] + "<|END_TEXT|>"),
     ]
-    cfg = PipelineConfig(
-        run_dir=tmp_path,
-        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
-        endpoint=EndpointConfig(model="tiny"),
-        tokenizer=TokenizerConfig(path=F.shared_dir("cohere2moe"), chat_template_kwargs=kwargs),
-    )
+    cfg = family_cfg(tmp_path, "cohere2moe", kwargs)
     rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
-    for conv, expected in zip(conversations, finished, strict=True):
-        row, check = rows[sid_of(conv)], checked[sid_of(conv)]
-        assert row["input_ids"] == expected
-        assert tok.convert_ids_to_tokens(row["input_ids"][-2:]) == ["<|END_TEXT|>", "<|END_OF_TURN_TOKEN|>"]
-        assert all(row["loss_mask"][row["prompt_len"] :])
-        assert (check["verdict"], check["structural_issues"]) == ("pass", []), check
-    assert rows[sid_of(conversations[1])]["token_source"] == "model"
-    assert checked[sid_of(conversations[1])]["reference_match"] == "exact"
+    assert_template_rows(rows, checked, conversations, finished, model_row=1)
+    for conv in conversations:
+        ends = tok.convert_ids_to_tokens(rows[sid_of(conv)]["input_ids"][-2:])
+        assert ends == ["<|END_TEXT|>", "<|END_OF_TURN_TOKEN|>"]
 
 
 def test_a_run_of_control_tokens_that_starts_with_the_eos_ends_the_turn_there() -> None:
@@ -761,20 +769,11 @@ def test_a_prompt_that_ends_at_the_open_tag_leaves_the_pad_to_the_model(tmp_path
         response_row(sid_of(conversations[1]), "\nAdd them.\n", f"\n{answers[1]}\n"),
         response_row(sid_of(conversations[2]), "Add them.", answers[2], output_ids=finished[2][prompt_lens[2] :]),
     ]
-    cfg = PipelineConfig(
-        run_dir=tmp_path,
-        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
-        endpoint=EndpointConfig(model="tiny"),
-        tokenizer=TokenizerConfig(path=F.shared_dir("laguna_xs2"), chat_template_kwargs=LAGUNA_THINKING),
-    )
+    cfg = family_cfg(tmp_path, "laguna_xs2", LAGUNA_THINKING)
     rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
-    for conv, expected, prompt_len in zip(conversations, finished, prompt_lens, strict=True):
-        row, check = rows[sid_of(conv)], checked[sid_of(conv)]
-        assert row["input_ids"] == expected
-        assert tok.decode(row["input_ids"][prompt_len : prompt_len + 2]) == "\nAdd"
-        assert (check["verdict"], check["structural_issues"]) == ("pass", []), check
-    assert rows[sid_of(conversations[2])]["token_source"] == "model"
-    assert checked[sid_of(conversations[2])]["reference_match"] == "exact"
+    assert_template_rows(rows, checked, conversations, finished, model_row=2)
+    for conv, prompt_len in zip(conversations, prompt_lens, strict=True):
+        assert tok.decode(rows[sid_of(conv)]["input_ids"][prompt_len : prompt_len + 2]) == "\nAdd"
 
 
 def test_a_written_format_says_who_writes_the_pad() -> None:
@@ -827,12 +826,7 @@ def test_an_answer_without_reasoning_gets_the_close_tag_alone_where_the_template
         response_row(sid_of(conversations[1]), *answers[1], reasoning_tokens=0, completion_tokens=billed[1]),
         response_row(sid_of(conversations[2]), *answers[2], reasoning_tokens=40, completion_tokens=billed[2] + 40),
     ]
-    cfg = PipelineConfig(
-        run_dir=tmp_path,
-        datasets=[DatasetConfig(name="d", path=tmp_path / "in.jsonl")],
-        endpoint=EndpointConfig(model="tiny"),
-        tokenizer=TokenizerConfig(path=F.shared_dir("minimax_m3")),
-    )
+    cfg = family_cfg(tmp_path, "minimax_m3")
     rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
     for conv, expected in zip(conversations, finished, strict=True):
         assert rows[sid_of(conv)]["input_ids"] == expected
