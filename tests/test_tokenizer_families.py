@@ -9,6 +9,7 @@ templates that drop reasoning are caught.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -730,6 +731,28 @@ def test_a_run_of_control_tokens_that_starts_with_the_eos_ends_the_turn_there() 
     assert _closed_before_eos("<t><eos>", controls, None) is None
     for family, kwargs in (("deepseek_v32", {"thinking": True}), ("kimi_k2_instruct", {}), ("qwen3", {})):
         assert derive_format(F.shared(family), kwargs).content_end == ""
+
+
+ENDS_CONVERSATION_WITH_EOS = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+    "{%- if not loop.last or add_generation_prompt %}\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def test_an_eos_written_only_at_the_end_of_a_conversation_is_not_the_end_of_turn(tmp_path: Path) -> None:
+    """A template may write the eos right after the last turn of a finished conversation only (as Phi-3.5 does,
+    here with no newline between: `<|im_end|><|endoftext|>`). Between turns it writes `<|im_end|>` alone, so that
+    is where the model stops; the run before the eos counts as closing tokens only where it is written between
+    turns too (Cohere's is)."""
+    path = F.qwen3_dir_with_template(tmp_path / "tok", ENDS_CONVERSATION_WITH_EOS)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|endoftext|>"}))
+    tok = F.load(path)
+    finished = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
+    assert tok.decode(finished).endswith("Yo<|im_end|><|endoftext|>")
+    fmt = resolve_format("auto", tok, {})
+    assert (fmt.end_of_turn, fmt.content_end) == ("<|im_end|>", "")
 
 
 LAGUNA_THINKING = {"enable_thinking": True}

@@ -550,14 +550,17 @@ def _sentinel_renders(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mappi
     after = plain[at + len(SENTINEL_CONTENT) :]
     end_of_turn = _longest_prefix(after, controls)
     content_end = ""
-    closing = _closing_tags(after, controls) or _closed_before_eos(after, controls, tokenizer.eos_token)
+    closing = _closing_tags(after, controls)
+    if closing is None and (eos_run := _closed_before_eos(after, controls, tokenizer.eos_token)) is not None:
+        between = _after_answer_before_next_user(tokenizer, user, template_kwargs) or ""
+        closing = eos_run if between.startswith("".join(eos_run)) else None
     if closing is not None:  # Kimi-K3 `<|close|>response<|sep|><|close|>message<|sep|>`, Cohere `<|END_TEXT|>`
         content_end, end_of_turn = closing
     if end_of_turn is None and after.strip():  # Nemotron-Nano-v2: content, then `\n<SPECIAL_12>`
         content_end = after[: len(after) - len(after.lstrip())]
         end_of_turn = _longest_prefix(after[len(content_end) :], controls)
     if end_of_turn is None and not after.strip():
-        end_of_turn = _end_of_turn_before_next_user(tokenizer, user, template_kwargs, controls)
+        end_of_turn = _longest_prefix(_after_answer_before_next_user(tokenizer, user, template_kwargs) or "", controls)
     if end_of_turn is None:
         raise ConfigError(f"chat template: assistant content is followed by {after[:40]!r}, not a special token")
     return _Renders(gen[len(base) :], tuple(turns), end_of_turn, controls, bare, content_end)
@@ -662,20 +665,19 @@ def _continued_from(base: str, gen: str, controls: set[str]) -> str:
     raise ConfigError(f"chat template: the generation prompt does not extend the user turn ({gen!r})")
 
 
-def _end_of_turn_before_next_user(
-    tokenizer: PreTrainedTokenizerBase,
-    user: list[dict[str, Any]],
-    template_kwargs: Mapping[str, Any],
-    controls: set[str],
+def _after_answer_before_next_user(
+    tokenizer: PreTrainedTokenizerBase, user: list[dict[str, Any]], template_kwargs: Mapping[str, Any]
 ) -> str | None:
-    """Some templates leave a finished conversation's last assistant turn open (Kimi-K2-Instruct-0905 renders
-    no `<|im_end|>` after it, as if for continuation); the end of turn is then read where another user turn
-    follows the sentinel answer."""
+    """What the template writes after the sentinel answer when another user turn follows it. Some templates leave
+    a finished conversation's last assistant turn open (Kimi-K2-Instruct-0905 renders no `<|im_end|>` after it,
+    as if for continuation): the end of turn is then read here. Others write a token only at the very end of a
+    conversation (Phi-3.5's `<|endoftext|>`): closing tokens before the eos count only where they are written
+    here too, between turns, where the model wrote them."""
     answer = {"role": "assistant", "content": SENTINEL_CONTENT}
     follow = {"role": "user", "content": SENTINEL_USER + "Next"}
     text = _render(tokenizer, [*user, answer, follow], False, template_kwargs)
     at = text.find(SENTINEL_CONTENT)
-    return _longest_prefix(text[at + len(SENTINEL_CONTENT) :], controls) if at >= 0 else None
+    return text[at + len(SENTINEL_CONTENT) :] if at >= 0 else None
 
 
 def _no_reasoning(end_of_turn: str, separator: str = "") -> CompletionFormat:
