@@ -147,13 +147,9 @@ class CompletionFormat:
         recipe of every format that existed before those fields stays what it was, so an upgrade does not rebuild
         every tokens part and re-extract their hidden states."""
         view = {f.name: getattr(self, f.name) for f in fields(self)}
-        if not self.omit_empty_reasoning:
-            del view["omit_empty_reasoning"]
-        if not self.content_end:
-            del view["content_end"]
-        for flag in ("model_writes_pad", "empty_reasoning_close_only"):
-            if not view[flag]:
-                del view[flag]
+        for later in ("omit_empty_reasoning", "content_end", "model_writes_pad", "empty_reasoning_close_only"):
+            if not view[later]:
+                del view[later]
         return view
 
 
@@ -739,10 +735,10 @@ def _from_visible_reasoning(turn: str, r: _Renders) -> CompletionFormat:
         return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[len(head) :], close))
     elif (rest := _rest_of_close(r, head, close, separator)) is not None:
         return _no_reasoning(r.end_of_turn, rest)
-    elif r.header.rstrip().endswith(close) and close in r.bare[: r.bare.find(SENTINEL_CONTENT)]:
+    elif (closed := _closed_by(r, close)) is not None:
         # The prompt closes a block it never opened, with the tag the turn shows (MiniMax-M3's disabled mode ends
         # `</mm:think>`), and so does the render of an answer without reasoning: the model writes none.
-        return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[r.header.rfind(close) :], close))
+        return closed
     else:
         raise ConfigError(
             f"chat template: the generation prompt {r.header!r} does not lead into the rendered turn {turn!r}"
@@ -813,7 +809,13 @@ def _closed_in_prompt(r: _Renders) -> CompletionFormat | None:
     separator either (R1-Distill's history drops the block), and is left to the other readings."""
     stem = r.header.rstrip()
     close = next((c for _, c in KNOWN_REASONING_TAGS if stem.endswith(c)), None)
-    if close is None or close not in r.bare[: r.bare.find(SENTINEL_CONTENT)]:
+    return None if close is None else _closed_by(r, close)
+
+
+def _closed_by(r: _Renders, close: str) -> CompletionFormat | None:
+    """The format without reasoning of a generation prompt that ends with `close`, where the render of an answer
+    without reasoning shows `close` before the content too; else None."""
+    if not r.header.rstrip().endswith(close) or close not in r.bare[: r.bare.find(SENTINEL_CONTENT)]:
         return None
     return _no_reasoning(r.end_of_turn, _unwritten(r, r.header[r.header.rfind(close) :], close))
 
