@@ -799,6 +799,41 @@ def test_a_prompt_that_ends_at_the_open_tag_leaves_the_pad_to_the_model(tmp_path
         assert tok.decode(rows[sid_of(conv)]["input_ids"][prompt_len : prompt_len + 2]) == "\nAdd"
 
 
+QWQ_THINKING = {"enable_thinking": True}
+
+
+def test_a_template_that_hides_the_separator_is_refused_naming_the_presets_that_fit_it(tmp_path: Path) -> None:
+    """QwQ-32B's prompt opens the reasoning (`<|im_start|>assistant\n<think>\n`) and earlier answers render without
+    it, so the template never shows what the model writes after `</think>`: `auto` refuses rather than guess, and
+    now names the one preset that fits what the template does show, Qwen3-2507-Thinking (same prompt, end of turn
+    and ids; the hybrid `qwen3_thinking`, whose prompt opens no block, does not fit). With that preset, rows hold
+    QwQ's layout (`...\n</think>\n\n` content `<|im_end|>`) from stripped text, unstripped text and the model's
+    ids alike, and validation passes them."""
+    tok = F.shared("qwq_32b")
+    with pytest.raises(ConfigError) as refused:
+        resolve_format("auto", tok, QWQ_THINKING)
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith("where the model writes their layout: qwen3_2507_thinking")
+    fmt = resolve_format("qwen3_2507_thinking", tok, QWQ_THINKING)
+    verify_special_tokens(tok, fmt)
+
+    conversations = [[Message(role="user", content=f"What is {i}+{i}?")] for i in range(3)]
+    answers = [f"It is {2 * i}." for i in range(3)]
+    prompts = [render_prompt(tok, [dict(m) for m in c], QWQ_THINKING) for c in conversations]
+    assert all(p.endswith("<|im_start|>assistant\n<think>\n") for p in prompts)
+    turns = [f"Add them.\n</think>\n\n{answer}<|im_end|>" for answer in answers]
+    finished = [tok.encode(p + t, add_special_tokens=False) for p, t in zip(prompts, turns, strict=True)]
+    prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
+    responses = [
+        response_row(sid_of(conversations[0]), "Add them.", answers[0]),
+        response_row(sid_of(conversations[1]), "Add them.\n", f"\n\n{answers[1]}"),
+        response_row(sid_of(conversations[2]), "Add them.", answers[2], output_ids=finished[2][prompt_lens[2] :]),
+    ]
+    cfg = family_cfg(tmp_path, "qwq_32b", QWQ_THINKING)
+    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
+    assert_template_rows(rows, checked, conversations, finished, model_row=2)
+
+
 def test_a_written_format_says_who_writes_the_pad() -> None:
     """A format written out for Laguna-XS.2 as if its prompt held the pad is refused by the template (which shows
     the prompt ending at the tag); `model_writes_pad` is only taken with an open tag in the prompt and a pad."""

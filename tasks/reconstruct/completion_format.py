@@ -1036,12 +1036,35 @@ def derive_format(
     tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None = None
 ) -> CompletionFormat:
     """The format the tokenizer's chat template implies; a matching preset (layout and pinned ids) is returned
-    under its own name."""
-    derived, seen, _ = _derive(tokenizer, dict(template_kwargs or {}))
+    under its own name. A template derivation cannot read is refused, naming the presets that fit what it does
+    show: QwQ-32B hides earlier reasoning, so its separator after `</think>` never renders, but its prompt, end of
+    turn are Qwen3-2507-Thinking's. Derivation does not pick one itself: the unshown fields would be a guess."""
+    try:
+        derived, seen, _ = _derive(tokenizer, dict(template_kwargs or {}))
+    except ConfigError as refused:
+        fitting = _presets_that_fit(tokenizer, template_kwargs)
+        if not fitting:
+            raise
+        raise ConfigError(
+            f"{refused}; presets that fit what it shows (its generation prompt, end of turn and token ids), to name "
+            f"where the model writes their layout: {', '.join(fitting)}"
+        ) from None
     for preset in PRESETS.values():
         if not format_differences(preset, derived, seen) and _pins_hold(preset, tokenizer):
             return preset
     return derived
+
+
+def _presets_that_fit(tokenizer: PreTrainedTokenizerBase, template_kwargs: Mapping[str, Any] | None) -> list[str]:
+    """The presets a template that derivation refused does not contradict, on what it shows."""
+    fitting = []
+    for name in PRESETS:
+        try:
+            if check_format(name, tokenizer, template_kwargs).agrees:
+                fitting.append(name)
+        except ConfigError:
+            return []
+    return fitting
 
 
 def resolve_format(
