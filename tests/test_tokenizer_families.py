@@ -550,6 +550,33 @@ def assert_template_rows(
     assert checked[sid_of(conversations[model_row])]["reference_match"] == "exact"
 
 
+def rows_from_three_sources(
+    tmp_path: Path,
+    family: str,
+    kwargs: dict[str, Any],
+    fmt: CompletionFormat,
+    conversations: list[list[Message]],
+    answered: tuple[str, list[str]],
+    unstripped: tuple[str, str],
+    finished: list[list[int]],
+) -> dict[str, dict[str, Any]]:
+    """The same answers with their reasoning stripped (most APIs), returned as the model wrote it (`unstripped`,
+    vLLM: reasoning, content), and as the model's ids, through reconstruct and validate: all must give `finished`."""
+    reasoning, answers = answered
+    tok = F.shared(family)
+    prompt_len = len(
+        tok.encode(render_prompt(tok, [dict(m) for m in conversations[2]], kwargs), add_special_tokens=False)
+    )
+    responses = [
+        response_row(sid_of(conversations[0]), reasoning, answers[0]),
+        response_row(sid_of(conversations[1]), *unstripped),
+        response_row(sid_of(conversations[2]), reasoning, answers[2], output_ids=finished[2][prompt_len:]),
+    ]
+    rows, checked = reconstructed_and_validated(family_cfg(tmp_path, family, kwargs), fmt, conversations, responses)
+    assert_template_rows(rows, checked, conversations, finished, model_row=2)
+    return rows
+
+
 def test_a_template_that_writes_a_newline_before_its_end_of_turn_derives_it(tmp_path: Path) -> None:
     """NVIDIA-Nemotron-Nano-v2 renders an answer as its stripped content, then `\\n<SPECIAL_12>`: the model writes
     the newline. Derivation refused the template ("followed by '\\n<SPECIAL_12>...', not a special token"). Servers
@@ -786,15 +813,10 @@ def test_a_prompt_that_ends_at_the_open_tag_leaves_the_pad_to_the_model(tmp_path
         assert isinstance(text, str) and text.endswith(f"<think>\nAdd them.\n</think>\n{answer}\n</assistant>\n")
         finished.append(tok.encode(text.removesuffix("\n"), add_special_tokens=False))
     prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
-    # Reasoning stripped (most APIs), returned as the model wrote it (vLLM), and the model's ids.
-    responses = [
-        response_row(sid_of(conversations[0]), "Add them.", answers[0]),
-        response_row(sid_of(conversations[1]), "\nAdd them.\n", f"\n{answers[1]}\n"),
-        response_row(sid_of(conversations[2]), "Add them.", answers[2], output_ids=finished[2][prompt_lens[2] :]),
-    ]
-    cfg = family_cfg(tmp_path, "laguna_xs2", LAGUNA_THINKING)
-    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
-    assert_template_rows(rows, checked, conversations, finished, model_row=2)
+    unstripped = ("\nAdd them.\n", f"\n{answers[1]}\n")
+    rows = rows_from_three_sources(
+        tmp_path, "laguna_xs2", LAGUNA_THINKING, fmt, conversations, ("Add them.", answers), unstripped, finished
+    )
     for conv, prompt_len in zip(conversations, prompt_lens, strict=True):
         assert tok.decode(rows[sid_of(conv)]["input_ids"][prompt_len : prompt_len + 2]) == "\nAdd"
 
@@ -823,15 +845,10 @@ def test_a_template_that_hides_the_separator_is_refused_naming_the_presets_that_
     assert all(p.endswith("<|im_start|>assistant\n<think>\n") for p in prompts)
     turns = [f"Add them.\n</think>\n\n{answer}<|im_end|>" for answer in answers]
     finished = [tok.encode(p + t, add_special_tokens=False) for p, t in zip(prompts, turns, strict=True)]
-    prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
-    responses = [
-        response_row(sid_of(conversations[0]), "Add them.", answers[0]),
-        response_row(sid_of(conversations[1]), "Add them.\n", f"\n\n{answers[1]}"),
-        response_row(sid_of(conversations[2]), "Add them.", answers[2], output_ids=finished[2][prompt_lens[2] :]),
-    ]
-    cfg = family_cfg(tmp_path, "qwq_32b", QWQ_THINKING)
-    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
-    assert_template_rows(rows, checked, conversations, finished, model_row=2)
+    unstripped = ("Add them.\n", f"\n\n{answers[1]}")
+    rows_from_three_sources(
+        tmp_path, "qwq_32b", QWQ_THINKING, fmt, conversations, ("Add them.", answers), unstripped, finished
+    )
 
 
 def test_a_written_format_says_who_writes_the_pad() -> None:
