@@ -556,24 +556,25 @@ def rows_from_three_sources(
     kwargs: dict[str, Any],
     fmt: CompletionFormat,
     conversations: list[list[Message]],
-    answered: tuple[str, list[str]],
-    unstripped: tuple[str, str],
+    answered: tuple[str | None, list[str]],
+    unstripped: tuple[str | None, str],
     finished: list[list[int]],
 ) -> dict[str, dict[str, Any]]:
-    """The same answers with their reasoning stripped (most APIs), returned as the model wrote it (`unstripped`,
-    vLLM: reasoning, content), and as the model's ids, through reconstruct and validate: all must give `finished`."""
+    """The same answers as text alone (an OpenAI-style endpoint, reasoning stripped), as the model's ids, and as
+    a server returned the last one with what it strips left in (`unstripped`: reasoning, content), through
+    reconstruct and validate: all three must give `finished`."""
     reasoning, answers = answered
     tok = F.shared(family)
     prompt_len = len(
-        tok.encode(render_prompt(tok, [dict(m) for m in conversations[2]], kwargs), add_special_tokens=False)
+        tok.encode(render_prompt(tok, [dict(m) for m in conversations[1]], kwargs), add_special_tokens=False)
     )
     responses = [
         response_row(sid_of(conversations[0]), reasoning, answers[0]),
-        response_row(sid_of(conversations[1]), *unstripped),
-        response_row(sid_of(conversations[2]), reasoning, answers[2], output_ids=finished[2][prompt_len:]),
+        response_row(sid_of(conversations[1]), reasoning, answers[1], output_ids=finished[1][prompt_len:]),
+        response_row(sid_of(conversations[2]), *unstripped),
     ]
     rows, checked = reconstructed_and_validated(family_cfg(tmp_path, family, kwargs), fmt, conversations, responses)
-    assert_template_rows(rows, checked, conversations, finished, model_row=2)
+    assert_template_rows(rows, checked, conversations, finished, model_row=1)
     return rows
 
 
@@ -663,18 +664,9 @@ def test_kimi_k3s_closing_tags_are_written_before_its_end_of_turn(tmp_path: Path
         )
         assert isinstance(text, str) and text.endswith(f"{answer}{K3_CLOSING}<|end_of_msg|>")
         finished.append(tok.encode(text, add_special_tokens=False))
-    prompts = [render_prompt(tok, [dict(m) for m in c], kwargs) for c in conversations]
-    prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
-    # One answer as text alone (an OpenAI-style endpoint), one with the model's ids, one whose server returned the
-    # closing tags with the content.
-    responses = [
-        response_row(sid_of(conversations[0]), reasoning, answers[0]),
-        response_row(sid_of(conversations[1]), reasoning, answers[1], output_ids=finished[1][prompt_lens[1] :]),
-        response_row(sid_of(conversations[2]), reasoning, answers[2] + K3_CLOSING),
-    ]
-    cfg = family_cfg(tmp_path, "kimi_k3", kwargs)
-    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
-    assert_template_rows(rows, checked, conversations, finished, model_row=1)
+    # The last server returned the closing tags with the content.
+    unstripped = (reasoning, answers[2] + K3_CLOSING)
+    rows_from_three_sources(tmp_path, "kimi_k3", kwargs, fmt, conversations, (reasoning, answers), unstripped, finished)
 
 
 def test_a_written_format_for_kimi_k3_must_say_its_closing_tags() -> None:
@@ -732,15 +724,10 @@ def test_cohere_ends_an_answer_with_two_control_tokens_and_stops_at_its_eos(
             turn = turn.removeprefix("<|START_THINKING|>")
         assert turn.endswith(f"{answer}<|END_TEXT|><|END_OF_TURN_TOKEN|>")
         finished.append(tok.encode(prompt + turn, add_special_tokens=False))
-    prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
-    responses = [
-        response_row(sid_of(conversations[0]), reasoning, answers[0]),
-        response_row(sid_of(conversations[1]), reasoning, answers[1], output_ids=finished[1][prompt_lens[1] :]),
-        response_row(sid_of(conversations[2]), reasoning, answers[2] + "<|END_TEXT|>"),
-    ]
-    cfg = family_cfg(tmp_path, "cohere2moe", kwargs)
-    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
-    assert_template_rows(rows, checked, conversations, finished, model_row=1)
+    unstripped = (reasoning, answers[2] + "<|END_TEXT|>")
+    rows = rows_from_three_sources(
+        tmp_path, "cohere2moe", kwargs, fmt, conversations, (reasoning, answers), unstripped, finished
+    )
     for conv in conversations:
         ends = tok.convert_ids_to_tokens(rows[sid_of(conv)]["input_ids"][-2:])
         assert ends == ["<|END_TEXT|>", "<|END_OF_TURN_TOKEN|>"]
@@ -813,7 +800,7 @@ def test_a_prompt_that_ends_at_the_open_tag_leaves_the_pad_to_the_model(tmp_path
         assert isinstance(text, str) and text.endswith(f"<think>\nAdd them.\n</think>\n{answer}\n</assistant>\n")
         finished.append(tok.encode(text.removesuffix("\n"), add_special_tokens=False))
     prompt_lens = [len(tok.encode(p, add_special_tokens=False)) for p in prompts]
-    unstripped = ("\nAdd them.\n", f"\n{answers[1]}\n")
+    unstripped = ("\nAdd them.\n", f"\n{answers[2]}\n")
     rows = rows_from_three_sources(
         tmp_path, "laguna_xs2", LAGUNA_THINKING, fmt, conversations, ("Add them.", answers), unstripped, finished
     )
@@ -845,7 +832,7 @@ def test_a_template_that_hides_the_separator_is_refused_naming_the_presets_that_
     assert all(p.endswith("<|im_start|>assistant\n<think>\n") for p in prompts)
     turns = [f"Add them.\n</think>\n\n{answer}<|im_end|>" for answer in answers]
     finished = [tok.encode(p + t, add_special_tokens=False) for p, t in zip(prompts, turns, strict=True)]
-    unstripped = ("Add them.\n", f"\n\n{answers[1]}")
+    unstripped = ("Add them.\n", f"\n\n{answers[2]}")
     rows_from_three_sources(
         tmp_path, "qwq_32b", QWQ_THINKING, fmt, conversations, ("Add them.", answers), unstripped, finished
     )
