@@ -1005,7 +1005,7 @@ def check_format(
     if isinstance(name, str) and name != "auto" and name not in PRESETS:
         raise ConfigError(f"unknown completion_format {name!r}; choose 'auto' or one of {sorted(PRESETS)}")
     kwargs = dict(template_kwargs or {})
-    partial = False
+    renders: _Renders | None = None  # set where derivation failed and the format is checked on what shows
     try:
         derived, seen, visible = _derive(tokenizer, kwargs)
     except ConfigError:
@@ -1014,16 +1014,12 @@ def check_format(
         # A layout derivation cannot read (R1-Distill: `<think>\n` opens the reasoning in the generation prompt and
         # earlier turns show neither reasoning nor tags): a given format is checked on what the template shows.
         renders = _sentinel_renders(tokenizer, kwargs)
-        derived, seen, visible, partial = (
-            replace(_no_reasoning(renders.end_of_turn), content_end=renders.content_end),
-            COMPARED_FIELDS,
-            False,
-            True,
-        )
+        derived = replace(_no_reasoning(renders.end_of_turn), content_end=renders.content_end)
+        seen, visible = COMPARED_FIELDS, False
     extra: dict[str, tuple[Any, Any]] = {}
     preset = written_format(name, tokenizer) if isinstance(name, CompletionFormatSpec) else PRESETS.get(name)
-    if preset is not None and (partial or isinstance(name, CompletionFormatSpec)):
-        header = _sentinel_renders(tokenizer, kwargs).header
+    if preset is not None and (renders is not None or isinstance(name, CompletionFormatSpec)):
+        header = (renders or _sentinel_renders(tokenizer, kwargs)).header
         seen, extra = _shown_to_a_written_format(preset, derived, seen, visible, header)
     diff = {**format_differences(preset, derived, seen), **extra} if preset else {}
     if preset and not _pins_hold(preset, tokenizer):
