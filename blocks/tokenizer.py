@@ -23,7 +23,7 @@ class TokenizerSourceBlock(Block):
         default="auto",
         description="Preset name, 'auto' to derive from the template, or the format written out: {name, "
         "reasoning_open, reasoning_close, reasoning_pad, content_separator, content_end, end_of_turn, open_in_prompt, "
-        "model_writes_pad, omit_empty_reasoning, empty_reasoning_close_only, pinned_ids}.",
+        "model_writes_pad, omit_empty_reasoning, empty_reasoning_close_only, empty_reasoning_close_tail, pinned_ids}.",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Template variables the server renders with, e.g. {'thinking': true}."

@@ -374,7 +374,9 @@ def test_an_open_tag_that_starts_with_a_newline_is_found_in_raw_text() -> None:
 
 def test_a_format_without_the_newer_field_describes_itself_as_before() -> None:
     """The description is part of every tokens part's recipe: a field added later must not appear in it at its
-    default, or an upgrade rebuilds every tokens part of every run and re-extracts their hidden states."""
+    default, or an upgrade rebuilds every tokens part of every run and re-extracts their hidden states. gpt-oss's
+    preset alone changed on purpose: its answers without analysis were laid out with an empty analysis block and
+    failed, so its tokens parts are rebuilt once and those rows pass."""
     from dataclasses import replace
 
     before = {
@@ -388,7 +390,8 @@ def test_a_format_without_the_newer_field_describes_itself_as_before() -> None:
         "pinned_ids",
         "control_tokens",
     }
+    harmony = {"empty_reasoning_close_only", "empty_reasoning_close_tail"}
     for fmt in PRESETS.values():
-        assert set(fmt.describe()) == before, fmt.name
+        assert set(fmt.describe()) == before | (harmony if fmt.name == "gpt_oss_harmony" else set()), fmt.name
     bare = replace(PRESETS["qwen3_thinking"], omit_empty_reasoning=True)
     assert bare.describe()["omit_empty_reasoning"] is True

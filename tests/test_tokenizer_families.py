@@ -31,6 +31,7 @@ from tasks.common.config import (
 from tasks.common.errors import ConfigError, SpecialTokenError
 from tasks.common.messages import Message
 from tasks.common.shards import PartRef, read_part
+from tasks.generate.endpoints import CompletionMarkers, split_completion
 from tasks.reconstruct.completion_format import (
     PRESETS,
     SENTINEL_CONTENT,
@@ -910,3 +911,90 @@ def test_a_written_format_says_how_an_answer_without_reasoning_is_written() -> N
     for clash in ({"open_in_prompt": True}, {"omit_empty_reasoning": True}):
         with pytest.raises(ValidationError, match="empty_reasoning_close_only needs"):
             CompletionFormatSpec(**written, **clash, empty_reasoning_close_only=True)
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs", "tail"),
+    [("gpt_oss", {}, "<|channel|>final<|message|>"), ("solar_open_100b", {"reasoning_effort": "high"}, "<|content|>")],
+    ids=["gpt_oss", "solar_open_high"],
+)
+def test_an_answer_without_reasoning_opens_its_own_message_where_the_close_ends_by_opening_one(
+    tmp_path: Path, family: str, kwargs: dict[str, Any], tail: str
+) -> None:
+    """gpt-oss closes its analysis `<|end|><|start|>assistant<|channel|>final<|message|>`, and its template renders
+    an answer without analysis as `<|channel|>final<|message|>` and the content right after the generation prompt
+    `<|start|>assistant`; Solar-Open with reasoning high closes `<|end|><|begin|>assistant<|content|>` and renders
+    such an answer `<|content|>` and the content. Laid out with an empty analysis block, each such row held ids
+    the model never wrote (6 more for gpt-oss than it was billed) and failed `empty_reasoning`: a paid answer
+    thrown away. Now the row is the template's own rendering, from text, from the model's ids and from a raw
+    completion split on the format's markers, and passes at its bill with no reasoning tokens counted; an answer
+    billed for reasoning it did not return still fails."""
+    tok = F.shared(family)
+    fmt = resolve_format("auto", tok, kwargs)
+    verify_special_tokens(tok, fmt)
+    assert (fmt.empty_reasoning_close_only, fmt.empty_reasoning_close_tail) == (True, tail)
+    assert fmt.reasoning_close is not None and fmt.reasoning_close.endswith(tail) != (fmt.reasoning_close == tail)
+    if family == "gpt_oss":
+        assert resolve_format("gpt_oss_harmony", tok, kwargs).empty_reasoning_close_tail == tail
+    assert completion_text(fmt, None, "Hi.") == f"{tail}Hi.{fmt.end_of_turn}"
+
+    conversations = [[Message(role="user", content=f"What is {i}+{i}?")] for i in range(4)]
+    answers = [f"It is {2 * i}." for i in range(4)]
+    prompt_lens, finished = [], []
+    for conv, answer in zip(conversations, answers, strict=True):
+        user = [dict(m) for m in conv]
+        prompt = render_prompt(tok, user, kwargs)
+        text = tok.apply_chat_template([*user, {"role": "assistant", "content": answer}], tokenize=False, **kwargs)
+        assert isinstance(text, str) and text == f"{prompt}{tail}{answer}{fmt.end_of_turn}"
+        prompt_lens.append(len(tok.encode(prompt, add_special_tokens=False)))
+        finished.append(tok.encode(text, add_special_tokens=False))
+    billed = [len(f) - n for f, n in zip(finished, prompt_lens, strict=True)]
+    raw = tok.decode(finished[2][prompt_lens[2] :])
+    assert split_completion(raw, CompletionMarkers.of(fmt)) == (None, answers[2])
+    responses = [
+        response_row(sid_of(conversations[0]), None, answers[0], completion_tokens=billed[0], reasoning_tokens=0),
+        response_row(
+            sid_of(conversations[1]),
+            None,
+            answers[1],
+            completion_tokens=billed[1],
+            output_ids=finished[1][prompt_lens[1] :],
+        ),
+        response_row(
+            sid_of(conversations[2]), *split_completion(raw, CompletionMarkers.of(fmt)), completion_tokens=billed[2]
+        ),
+        response_row(sid_of(conversations[3]), None, answers[3], completion_tokens=billed[3] + 40, reasoning_tokens=40),
+    ]
+    cfg = family_cfg(tmp_path, family, kwargs)
+    rows, checked = reconstructed_and_validated(cfg, fmt, conversations, responses)
+    assert_template_rows(rows, checked, conversations[:3], finished[:3], model_row=1)
+    for conv in conversations[:3]:
+        assert (checked[sid_of(conv)]["billing_delta_tokens"], checked[sid_of(conv)]["our_reasoning_tokens"]) == (0, 0)
+    assert checked[sid_of(conversations[3])]["verdict"] == "fail"
+
+
+def test_a_written_format_names_the_tail_of_the_close_an_answer_without_reasoning_starts_with() -> None:
+    """Written out without it, a format for gpt-oss gives answers without analysis an empty analysis block the
+    template never shows: the check names both fields. The tail must be a shorter end of the close, and only
+    with `empty_reasoning_close_only`."""
+    tok = F.shared("gpt_oss")
+    close = "<|end|><|start|>assistant<|channel|>final<|message|>"
+    written: dict[str, Any] = {
+        "reasoning_open": "<|channel|>analysis<|message|>",
+        "reasoning_close": close,
+        "end_of_turn": "<|return|>",
+    }
+    check = check_format(CompletionFormatSpec(**written), tok, {})
+    assert check.differences == {
+        "empty_reasoning_close_only": (False, True),
+        "empty_reasoning_close_tail": ("", "<|channel|>final<|message|>"),
+    }
+    tail = {"empty_reasoning_close_only": True, "empty_reasoning_close_tail": "<|channel|>final<|message|>"}
+    assert check_format(CompletionFormatSpec(**written, **tail), tok, {}).agrees
+    for wrong in (
+        {"empty_reasoning_close_tail": "<|channel|>final<|message|>"},
+        {"empty_reasoning_close_only": True, "empty_reasoning_close_tail": "<|channel|>commentary<|message|>"},
+        {"empty_reasoning_close_only": True, "empty_reasoning_close_tail": close},
+    ):
+        with pytest.raises(ValidationError, match="empty_reasoning_close_tail needs"):
+            CompletionFormatSpec(**written, **wrong)

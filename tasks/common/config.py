@@ -283,6 +283,7 @@ def format_fields_problem(
     omit_empty_reasoning: bool = False,
     model_writes_pad: bool = False,
     empty_reasoning_close_only: bool = False,
+    empty_reasoning_close_tail: str = "",
 ) -> str | None:
     """What makes a completion format's reasoning fields inconsistent, or None: checked where a format is written
     in the config (at load, without importing transformers) and where any format is built. An answer can only
@@ -295,6 +296,15 @@ def format_fields_problem(
         return "omit_empty_reasoning with open_in_prompt: the generation prompt already opened the block"
     if empty_reasoning_close_only and (reasoning_open is None or open_in_prompt or omit_empty_reasoning):
         return "empty_reasoning_close_only needs reasoning, a prompt that opens no block, and no omit_empty_reasoning"
+    if empty_reasoning_close_tail and not (
+        empty_reasoning_close_only
+        and reasoning_close is not None
+        and reasoning_close.endswith(empty_reasoning_close_tail)
+        and reasoning_close != empty_reasoning_close_tail
+    ):
+        return (
+            "empty_reasoning_close_tail needs empty_reasoning_close_only and must be a shorter end of reasoning_close"
+        )
     if model_writes_pad and not (open_in_prompt and reasoning_pad):
         return (
             "model_writes_pad needs open_in_prompt and a reasoning_pad: it says who writes the pad after the open tag"
@@ -333,6 +343,13 @@ class CompletionFormatSpec(StrictModel):
         description="An answer without reasoning is the close tag, separator and content, with no open tag (the "
         "template renders such an answer so, e.g. MiniMax-M3 in adaptive mode: '</mm:think>' then the content).",
     )
+    empty_reasoning_close_tail: str = Field(
+        default="",
+        description="With empty_reasoning_close_only: the part of reasoning_close, from a control token to its end, "
+        "that an answer without reasoning starts with, where the close ends by opening the answer's own message "
+        "(gpt-oss: '<|channel|>final<|message|>' of '<|end|><|start|>assistant<|channel|>final<|message|>'); "
+        "default: the whole close.",
+    )
     model_writes_pad: bool = Field(
         default=False,
         description="With open_in_prompt: the generation prompt ends at the open tag and the model writes the "
@@ -364,6 +381,7 @@ class CompletionFormatSpec(StrictModel):
             self.omit_empty_reasoning,
             self.model_writes_pad,
             self.empty_reasoning_close_only,
+            self.empty_reasoning_close_tail,
         )
         if problem:
             raise ValueError(f"completion_format: {problem}")

@@ -333,8 +333,8 @@ def split_completion(
     """(reasoning, content) of a raw completion text.
 
     The generation prompt of a reasoning format opens the reasoning section, so text with no close marker is
-    reasoning that never finished (content ""), not content; unless the format omits an empty block and the text
-    does not open one (`omit_empty_reasoning`: the model answered without reasoning). With the model's
+    reasoning that never finished (content ""), not content; unless the model answered without reasoning
+    (`_unclosed`). With the model's
     `output_ids`, the end of turn and the close marker are where their control ids are: a model may write either
     as ordinary tokens (SmolLM2 asked to copy `<|im_end|>`, a thinking model explaining what `</think>` does),
     which is text it wrote, not a marker.
@@ -346,16 +346,22 @@ def split_completion(
     if at is None:
         at = text.find(markers.reasoning_close)
     if at < 0:
-        return (None, text) if _opens_no_block(markers.fmt, text) else (text, "")
+        return _unclosed(markers.fmt, text)
     return text[:at], text[at + len(markers.reasoning_close) :]
 
 
-def _opens_no_block(fmt: CompletionFormat | None, text: str) -> bool:
-    """Text without a close marker is content when the format lets an answer leave the block out and the text
-    does not start with the open tag."""
-    if fmt is None or not fmt.omit_empty_reasoning:
-        return False
-    return not text.lstrip().startswith((fmt.reasoning_open or "").strip())
+def _unclosed(fmt: CompletionFormat | None, text: str) -> tuple[str | None, str]:
+    """(reasoning, content) of text without the close marker: reasoning that never finished, unless the model
+    answered without reasoning, which the text shows where it starts with the close's tail the format writes for
+    such an answer (`empty_reasoning_close_tail`: gpt-oss opening its final channel at once), or where the format
+    lets an answer leave the block out and the text does not start with the open tag."""
+    tail = fmt.empty_reasoning_close_tail if fmt is not None else ""
+    if tail and text.startswith(tail):
+        return None, text[len(tail) :]
+    opened = fmt is None or text.lstrip().startswith((fmt.reasoning_open or "").strip())
+    if fmt is not None and fmt.omit_empty_reasoning and not opened:
+        return None, text
+    return text, ""
 
 
 def _without_end_of_turn(

