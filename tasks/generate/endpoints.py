@@ -333,11 +333,10 @@ def split_completion(
     """(reasoning, content) of a raw completion text.
 
     The generation prompt of a reasoning format opens the reasoning section, so text with no close marker is
-    reasoning that never finished (content ""), not content; unless the model answered without reasoning
-    (`_unclosed`). With the model's
-    `output_ids`, the end of turn and the close marker are where their control ids are: a model may write either
-    as ordinary tokens (SmolLM2 asked to copy `<|im_end|>`, a thinking model explaining what `</think>` does),
-    which is text it wrote, not a marker.
+    reasoning that never finished (content ""), not content, unless the model answered without reasoning
+    (`_unclosed`). With the model's `output_ids`, the end of turn and the close marker are where their control ids
+    are: a model may write either as ordinary tokens (SmolLM2 asked to copy `<|im_end|>`, a thinking model
+    explaining what `</think>` does), which is text it wrote, not a marker.
     """
     text = _without_end_of_turn(text, output_ids, markers, tokenizer)
     if not markers.reasoning_close:
@@ -358,8 +357,11 @@ def _unclosed(fmt: CompletionFormat | None, text: str) -> tuple[str | None, str]
     tail = fmt.empty_reasoning_close_tail if fmt is not None else ""
     if tail and text.startswith(tail):
         return None, text[len(tail) :]
-    opened = fmt is None or text.lstrip().startswith((fmt.reasoning_open or "").strip())
-    if fmt is not None and fmt.omit_empty_reasoning and not opened:
+    if (
+        fmt is not None
+        and fmt.omit_empty_reasoning
+        and not text.lstrip().startswith((fmt.reasoning_open or "").strip())
+    ):
         return None, text
     return text, ""
 

@@ -194,8 +194,7 @@ def hidden_reasoning(fmt: CompletionFormat, reasoning: str, billed_reasoning_tok
     writes such an answer as content alone (`omit_empty_reasoning`, e.g. a thinking-off run), it is a real answer,
     and only reasoning tokens the provider billed say the model wrote reasoning that is missing; so where it writes
     the close tag, or its tail, alone for it (`empty_reasoning_close_only`: MiniMax-M3 in adaptive mode, gpt-oss
-    opening its final channel at once). Such an answer counts no reasoning tokens of its own: the text of that tail
-    (gpt-oss's `final`) is the format's."""
+    opening its final channel at once)."""
     if not fmt.has_reasoning or reasoning.strip():
         return False
     return not (fmt.omits_block(reasoning) or fmt.closes_only(reasoning)) or bool(billed_reasoning_tokens)
@@ -562,6 +561,7 @@ def validate_tables(
         ours_len = len(completions[i])
         section = completions[i][: reasoning_lens[i]]
         own_reasoning = int(len(section) - np.isin(section, control.format_ids).sum())
+        # a tail of the close before an answer without reasoning is the format's text (gpt-oss's `final`)
         ours_reasoning = 0 if fmt.closes_only(norm_reasoning) else own_reasoning
         cut_tokens = cut_off.get(i, 0)
         cut_reasoning = cut_tokens if wholes[i].content_start >= len(wholes[i].text) else 0
