@@ -57,8 +57,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# What `make test` runs; `make test-long` runs the slow ones.
+FAST_TESTS := not slow and not gpu
+
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "$(FAST_TESTS)" $(PYTEST_ARGS)
 
 # Tokenizer, chat-template and id tests: CPU-bound (each loads a 151k-token vocabulary), no Prefect, no real-time
 # waits. `make test` runs them in a second pytest process at low priority beside the rest, whose subprocess- and
@@ -71,9 +74,9 @@ SIDE_TESTS := $(addprefix tests/test_,$(addsuffix .py,tokenizer_families logprob
 # Exit 5 (nothing selected: PYTEST_ARGS picks tests of one run only) passes unless both runs selected nothing.
 test: lint
 	nice -n 19 $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	nice -n 10 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not gpu" $(PYTEST_ARGS) \
+	nice -n 10 $(BIN)/python -m pytest -q -p no:cacheprovider -m "$(FAST_TESTS)" $(PYTEST_ARGS) \
 		$(SIDE_TESTS) > $(VENV)/pytest-side.log 2>&1 & side=$$!; \
-	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(addprefix --ignore=,$(SIDE_TESTS)) $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -m "$(FAST_TESTS)" $(addprefix --ignore=,$(SIDE_TESTS)) $(PYTEST_ARGS); \
 	tests=$$?; wait $$side; sided=$$?; echo "--- tokenizer, template and id tests, run beside the above:"; \
 	cat $(VENV)/pytest-side.log; wait $$types; typed=$$?; cat $(VENV)/mypy.log; \
 	case $$tests:$$sided in 0:0|0:5|5:0) test $$typed -eq 0;; *) exit 1;; esac

@@ -949,8 +949,8 @@ def test_an_answer_without_reasoning_opens_its_own_message_where_the_close_ends_
         prompt_lens.append(len(tok.encode(prompt, add_special_tokens=False)))
         finished.append(tok.encode(text, add_special_tokens=False))
     billed = [len(f) - n for f, n in zip(finished, prompt_lens, strict=True)]
-    raw = tok.decode(finished[2][prompt_lens[2] :])
-    assert split_completion(raw, CompletionMarkers.of(fmt)) == (None, answers[2])
+    split = split_completion(tok.decode(finished[2][prompt_lens[2] :]), CompletionMarkers.of(fmt))
+    assert split == (None, answers[2])
     responses = [
         response_row(sid_of(conversations[0]), None, answers[0], completion_tokens=billed[0], reasoning_tokens=0),
         response_row(
@@ -960,9 +960,7 @@ def test_an_answer_without_reasoning_opens_its_own_message_where_the_close_ends_
             completion_tokens=billed[1],
             output_ids=finished[1][prompt_lens[1] :],
         ),
-        response_row(
-            sid_of(conversations[2]), *split_completion(raw, CompletionMarkers.of(fmt)), completion_tokens=billed[2]
-        ),
+        response_row(sid_of(conversations[2]), *split, completion_tokens=billed[2]),
         response_row(sid_of(conversations[3]), None, answers[3], completion_tokens=billed[3] + 40, reasoning_tokens=40),
     ]
     cfg = family_cfg(tmp_path, family, kwargs)
