@@ -125,6 +125,16 @@ class TokenPiece:
     field: str
     text: str
     entry: dict[str, Any]
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedIds:
+    """What vLLM's `return_token_ids` adds to an answer: the prompt ids it rendered, and after the pieces' ids the
+    stop token that ended the turn (none for an answer cut by the token limit)."""
+
+    prompt: list[int]
+    end: list[int]
 
 
 def token_pieces(responder: Responder, sample: SimSample, ids: tuple[int, ...], finish: str) -> list[TokenPiece]:
@@ -142,25 +152,41 @@ def token_pieces(responder: Responder, sample: SimSample, ids: tuple[int, ...], 
         field = "reasoning" if j < cut else "content"
         text = "" if j == cut else decoder.decode(raw)
         token = raw.decode("utf-8", errors="replace")
-        pieces.append(TokenPiece(field, text, entry(token, raw, lps[j] if lps is not None else 0.0)))
+        pieces.append(TokenPiece(field, text, entry(token, raw, lps[j] if lps is not None else 0.0), token_id))
     tail = decoder.decode(b"", final=True)
     if tail and pieces:
         last = pieces[-1]
-        pieces[-1] = TokenPiece(last.field, last.text + tail, last.entry)
+        pieces[-1] = TokenPiece(last.field, last.text + tail, last.entry, last.token_id)
     return pieces
 
 
+def reported_ids(
+    responder: Responder, prompt_ids: tuple[int, ...] | list[int], ids: tuple[int, ...], finish: str
+) -> ReportedIds:
+    """The ids vLLM reports beside `token_pieces`' own: the prompt's, and the end of turn the model stopped on."""
+    ended = finish == "stop" and bool(ids) and ids[-1] == responder.eos_id
+    return ReportedIds(list(prompt_ids), [ids[-1]] if ended else [])
+
+
 def completion_body(
-    meta: ChatMeta, answer: ChatAnswer, usage_: dict[str, Any] | None, pieces: list[TokenPiece] | None = None
+    meta: ChatMeta,
+    answer: ChatAnswer,
+    usage_: dict[str, Any] | None,
+    pieces: list[TokenPiece] | None = None,
+    logprobs: bool = True,
+    ids: ReportedIds | None = None,
 ) -> dict[str, Any]:
+    """`pieces` carry the per-token logprobs (with `logprobs`) and, with `ids`, vLLM's `token_ids`."""
     choice: dict[str, Any] = {
         "index": 0,
         "message": {"role": "assistant", "content": answer.content, "reasoning": answer.reasoning},
         "finish_reason": answer.finish,
         "native_finish_reason": answer.finish,
     }
-    if pieces is not None:
+    if pieces is not None and logprobs:
         choice["logprobs"] = {"content": [p.entry for p in pieces], "refusal": None}
+    if pieces is not None and ids is not None:
+        choice["token_ids"] = [p.token_id for p in pieces] + ids.end
     return {
         "id": meta.id,
         "provider": meta.provider,
@@ -169,6 +195,7 @@ def completion_body(
         "created": meta.created,
         "choices": [choice],
         **({"usage": usage_} if usage_ is not None else {}),
+        **({"prompt_token_ids": ids.prompt} if ids is not None else {}),
     }
 
 
@@ -238,19 +265,28 @@ def stream_frames(
     usage_: dict[str, Any] | None,
     key: str,
     pieces: list[TokenPiece] | None = None,
+    logprobs: bool = True,
+    ids: ReportedIds | None = None,
 ) -> StreamFrames:
-    """With `pieces` (logprobs requested) one chunk per generated token, each with its logprobs entry, as serving
-    stacks stream; otherwise 6-12 text pieces per field."""
+    """With `pieces` (logprobs or token ids requested) one chunk per generated token, each with its logprobs entry
+    (`logprobs`) and, with `ids`, its `token_ids` as vLLM streams them: the first chunk also carries the
+    `prompt_token_ids`, the finish chunk the stop token's id. Otherwise 6-12 text pieces per field."""
     prefix = (
         f'data: {{"id":{_dumps(meta.id)},"provider":{_dumps(meta.provider)},"model":{_dumps(meta.model)},'
         f'"object":"chat.completion.chunk","created":{meta.created},'
     )
     if pieces is not None:
-        deltas = [
-            f'{prefix}"choices":[{{"index":0,"delta":{{{_dumps(p.field)}:{_dumps(p.text)}}},'
-            f'"logprobs":{{"content":[{_dumps(p.entry)}]}},"finish_reason":null}}]}}\n\n'
-            for p in pieces
-        ]
+        deltas = []
+        for i, p in enumerate(pieces):
+            per_token = f',"logprobs":{{"content":[{_dumps(p.entry)}]}}' if logprobs else ""
+            per_token += (
+                f',"finish_reason":null,"token_ids":[{p.token_id}]' if ids is not None else ',"finish_reason":null'
+            )
+            prompt = f',"prompt_token_ids":{_dumps(ids.prompt)}' if ids is not None and i == 0 else ""
+            deltas.append(
+                f'{prefix}"choices":[{{"index":0,"delta":{{{_dumps(p.field)}:{_dumps(p.text)}}}{per_token}}}]'
+                f"{prompt}}}\n\n"
+            )
     else:
         n_reasoning, n_content = piece_counts(key)
         deltas = [
@@ -263,8 +299,10 @@ def stream_frames(
             for piece in split_pieces(answer.content, n_content)
         ]
     reason = _dumps(answer.finish)
+    end = f',"token_ids":{_dumps(ids.end)}' if ids is not None and pieces is not None else ""
     finish = (
-        f'{prefix}"choices":[{{"index":0,"delta":{{}},"finish_reason":{reason},"native_finish_reason":{reason}}}]}}\n\n'
+        f'{prefix}"choices":[{{"index":0,"delta":{{}},"finish_reason":{reason},"native_finish_reason":{reason}'
+        f"{end}}}]}}\n\n"
     )
     tail = None if usage_ is None else f'{prefix}"choices":[],"usage":{_dumps(usage_)}}}\n\n'
     return StreamFrames(prefix, deltas, finish, tail)

@@ -46,6 +46,7 @@ from endpoint_sim.openrouter import (
     completion_body,
     empty_answer,
     partial_answer,
+    reported_ids,
     spent_usd,
     stream_frames,
     token_pieces,
@@ -494,6 +495,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         return state.respond(400, _error(400, str(exc)))
     want_logprobs = body.get("logprobs") is True
+    want_ids = body.get("return_token_ids") is True  # vLLM's: the sampled ids and the rendered prompt's
     responder = state.responder
     prompt_ids = responder.prompt_ids_for_messages(messages)
     admitted = await _admit(state, request, "chat", prompt_ids, seed, max_tokens, body.get("provider"))
@@ -509,11 +511,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gen_id = f"gen-{admitted.attempt}-{admitted.key}"
     meta = ChatMeta(gen_id, admitted.sample.provider, cfg.model_name, int(time.time()))
     usage_ = None if kind == "finish_error_no_usage" else usage(cfg, len(prompt_ids), billed)
-    # Per-token logprobs with bytes (OpenAI's shape) for a whole answer; a broken one carries none.
+    # Per-token logprobs with bytes (OpenAI's shape) and token ids (vLLM's) for a whole answer; a broken one
+    # carries none.
     whole = kind in (None, "hang", "reset_before_done", "cut_after_finish")
-    pieces = (
-        token_pieces(responder, admitted.sample, admitted.ids, admitted.finish) if want_logprobs and whole else None
-    )
+    per_token = (want_logprobs or want_ids) and whole
+    pieces = token_pieces(responder, admitted.sample, admitted.ids, admitted.finish) if per_token else None
+    ids = reported_ids(responder, prompt_ids, admitted.ids, admitted.finish) if want_ids and whole else None
     if kind == "billed_http" and admitted.rule is not None:  # generated and billed, then an error status
         await _generating(state, admitted, meta, len(prompt_ids), billed, streamed=stream)
         _record(state, admitted, meta, len(prompt_ids), billed, streamed=stream)
@@ -523,12 +526,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if stream:
         options = body.get("stream_options")
         include_usage = not (isinstance(options, dict) and options.get("include_usage") is False)
-        frames = stream_frames(meta, shown, usage_ if include_usage else None, admitted.key, pieces)
+        frames = stream_frames(meta, shown, usage_ if include_usage else None, admitted.key, pieces, want_logprobs, ids)
         return await _stream(state, request, admitted, meta, frames, len(prompt_ids), billed)
     await _generating(state, admitted, meta, len(prompt_ids), billed, streamed=False)
     if admitted.rule is not None and kind == "hang":
         await asyncio.sleep(admitted.rule.hang_s)
-    out = completion_body(meta, shown, usage_, pieces)
+    out = completion_body(meta, shown, usage_, pieces, want_logprobs, ids)
     _record(state, admitted, meta, len(prompt_ids), billed, streamed=False)
     id_header = {GENERATION_ID_HEADER: meta.id} if cfg.generation_id_header else None
     if kind == "late_error_body":

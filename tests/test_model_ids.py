@@ -20,13 +20,15 @@ from transformers import PreTrainedTokenizerBase
 from endpoint_sim.model_backend import ModelResponder
 from endpoint_sim.responder import Responder, SimConfig
 from endpoint_sim.server import SimulatorServer
-from tasks.common.config import EndpointConfig, PipelineConfig, SamplingConfig
+from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
+from tasks.common.errors import ReconstructionError
 from tasks.common.messages import sample_id
 from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, read_part, write_part
 from tasks.generate import CompletionMarkers, generate_parts
+from tasks.generate.endpoints import MalformedResponseError, parse_response
 from tasks.generate.sse import StreamAssembler
-from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids, token_bytes_index
+from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids, reported_ids, token_bytes_index
 from tasks.reconstruct.completion_format import format_for
 from tasks.reconstruct.stage import reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
@@ -117,6 +119,70 @@ def test_logprobs_bytes_rebuild_the_exact_ids(tmp_path: Path, tokenizer_dir: Pat
         split += sample.noncanonical
         assert tokenizer.decode(completion(row)) == sample.text + EOS
     assert split >= SAMPLES // 2 and stats["model_rows"] == SAMPLES
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_token_ids_are_the_stored_ids(tmp_path: Path, tokenizer_dir: Path, stream: bool) -> None:
+    """Chat completions with vLLM's `return_token_ids`: every answer's split is non-canonical; the stored
+    completion is the ids the server reported (its stop token last), and the prompt ids it rendered are kept and
+    equal ours, streamed (ids per chunk, the prompt's in the first) or not."""
+    sim_config = SimConfig(noncanonical_rate=1.0, tool_call_rate=0.0)
+    responder = Responder(tokenizer_dir, sim_config)
+    with SimulatorServer(tokenizer_dir, sim_config, responder=responder) as sim:
+        cfg = make_cfg(tmp_path, sim, tokenizer_dir, stream=stream, return_token_ids=True)
+        responses, tokens, stats = run_stages(cfg)
+    assert all(r["status"] == "done" for r in responses)
+    prompts = {p["sample_id"]: p["messages"] for p in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()}
+    split = 0
+    for response in responses:
+        sent = [m for m in prompts[response["sample_id"]] if m["role"] != "assistant"]
+        sample = responder.sample_for_messages(sent)
+        assert response["output_ids"] == list(sample.output_ids[:-1])  # the stop token is reconstruct's to add
+        assert response["prompt_ids"] == list(responder.prompt_ids_for_messages(sent))
+        row = tokens[response["sample_id"]]
+        assert completion(row) == list(sample.output_ids) and row["token_source"] == "model"
+        assert row["input_ids"][: row["prompt_len"]] == response["prompt_ids"]
+        split += sample.noncanonical
+    assert split >= SAMPLES // 2 and stats["model_rows"] == SAMPLES
+
+
+def test_a_prompt_the_server_rendered_otherwise_stops_reconstruct(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A server that renders the prompt otherwise than the configured template (here: a system prompt of its
+    own) reports prompt ids the stored row would not have: reconstruct refuses the part, naming the sample and
+    where the ids part, instead of storing a prompt the target never read."""
+    sim_config = SimConfig(tool_call_rate=0.0, injected_system_prompt="You are a helpful assistant.")
+    with SimulatorServer(tokenizer_dir, sim_config) as sim:
+        cfg = make_cfg(tmp_path, sim, tokenizer_dir, return_token_ids=True)
+        with pytest.raises(ReconstructionError, match=r"sample .*rendered prompt ids differ .* at position \d+"):
+            run_stages(cfg)
+    responses = read_part(PartRef(cfg.run_dir, "responses", 0)).to_pylist()
+    assert all(r["status"] == "done" and r["prompt_ids"] for r in responses)  # the paid answers are kept
+
+
+def test_token_ids_that_do_not_spell_the_answer_are_not_stored(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Ids are taken only when they spell the text the answer carries: a stop token other than the end of turn,
+    an id outside the vocabulary or a text changed after sampling leaves the row to re-encoding; malformed ids
+    are a malformed response."""
+    text = "Zürich NORTH"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    assert reported_ids([*ids, eos], tokenizer, "", text, "</think>", EOS) == ExactIds(ids)
+    assert reported_ids(ids, tokenizer, "", text, "</think>", EOS) == ExactIds(ids)
+    assert reported_ids([*ids, eos, eos], tokenizer, "", text, "</think>", EOS) is None
+    assert reported_ids([*ids, len(tokenizer) + 7], tokenizer, "", text, "</think>", EOS) is None
+    assert reported_ids(ids, tokenizer, "", text + "!", "</think>", EOS) is None
+    cfg = PipelineConfig(
+        run_dir=Path("unused"),
+        datasets=[DatasetConfig(name="ds", path=Path("unused.jsonl"))],
+        endpoint=EndpointConfig(model="m", return_token_ids=True),
+        tokenizer=TokenizerConfig(path=Path(tokenizer.name_or_path)),
+    )
+    body = {"id": "g", "choices": [{"message": {"content": text}, "token_ids": ["1"], "finish_reason": "stop"}]}
+    with pytest.raises(MalformedResponseError, match="token_ids must be a list of integers"):
+        parse_response(cfg, body, CompletionMarkers("</think>", EOS), tokenizer=tokenizer)
+    generate_route = {"model": "m", "kind": "sglang_generate", "return_token_ids": True}
+    with pytest.raises(ValueError, match="return_token_ids applies to openai_chat"):
+        PipelineConfig.model_validate({**cfg.model_dump(), "endpoint": generate_route})
 
 
 def test_without_logprobs_the_text_is_reencoded(tmp_path: Path, tokenizer_dir: Path) -> None:

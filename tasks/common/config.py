@@ -118,6 +118,12 @@ class EndpointConfig(StrictModel):
         description="openai_chat: ask for per-token logprobs (`logprobs: true`) and rebuild the model's exact ids "
         "from their bytes (stored as output_ids); providers that return none are re-encoded as before.",
     )
+    return_token_ids: bool = Field(
+        default=False,
+        description="openai_chat on vLLM: ask for the ids themselves (`return_token_ids: true`): the sampled "
+        "`token_ids` are stored as output_ids (checked to spell the answer's text) and the `prompt_token_ids` the "
+        "server rendered are checked against ours; an endpoint that returns none (OpenRouter) is re-encoded.",
+    )
     provider_routing: dict[str, Any] | None = Field(
         default=None, description="OpenRouter `provider` object (order, only, quantizations, ...)."
     )
@@ -431,9 +437,9 @@ class ReconstructConfig(StrictModel):
     )
     token_ids: Literal["model", "reencode"] = Field(
         default="model",
-        description="model: store the ids the endpoint reported the model generated (SGLang output_ids, or ids "
-        "rebuilt from logprobs bytes) wherever a response has them, re-encoding stays the check; reencode: always "
-        "store the re-encoded text (what every row without model ids gets).",
+        description="model: store the ids the endpoint reported the model generated (SGLang output_ids, vLLM "
+        "token_ids, or ids rebuilt from logprobs bytes) wherever a response has them, re-encoding stays the check; "
+        "reencode: always store the re-encoded text (what every row without model ids gets).",
     )
     repair_from: Path | None = Field(
         default=None,
@@ -644,6 +650,10 @@ class PipelineConfig(StrictModel):
             raise ValueError("endpoint.reconcile_cost reads OpenRouter's /generation records: openai_chat only")
         if ep.logprobs and ep.kind != "openai_chat":
             raise ValueError("endpoint.logprobs applies to openai_chat endpoints (sglang_generate returns output_ids)")
+        if ep.return_token_ids and ep.kind != "openai_chat":
+            raise ValueError(
+                "endpoint.return_token_ids applies to openai_chat endpoints (sglang_generate returns output_ids)"
+            )
         return self
 
     @property

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import ConfigError, DatagenError
 from tasks.common.messages import Message
-from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids
+from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids, reported_ids
 from tasks.reconstruct.completion_format import CompletionFormat
 from tasks.reconstruct.tokenizer_backend import backend_for
 from tasks.reconstruct.tokenizer_loading import render_prompt_ids
@@ -131,6 +131,8 @@ def build_request(
         if cfg.endpoint.logprobs:
             payload["logprobs"] = True
             payload["top_logprobs"] = 0
+        if cfg.endpoint.return_token_ids:
+            payload["return_token_ids"] = True
         return EndpointRequest(url, payload, None)
     if tokenizer is None:
         raise ConfigError("endpoint.kind 'sglang_generate' needs the tokenizer to render prompt ids")
@@ -257,16 +259,30 @@ def _model_ids(
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None,
 ) -> ExactIds | None:
-    """The model's exact ids rebuilt from the choice's logprobs bytes (`endpoint.logprobs`), when they cover the
-    whole answer; the end-of-turn id is not among them (reconstruct adds it, as for a re-encoded row)."""
-    if not cfg.endpoint.logprobs or tokenizer is None:
+    """The model's exact ids: the choice's `token_ids` (`endpoint.return_token_ids`, vLLM), else rebuilt from its
+    logprobs bytes (`endpoint.logprobs`), when they cover the whole answer; the end-of-turn id is not among them
+    (reconstruct adds it, as for a re-encoded row)."""
+    if tokenizer is None:
+        return None
+    truncated = choice.get("finish_reason") == "length"
+    close, eot, fmt = markers.reasoning_close, markers.end_of_turn, markers.fmt
+    if cfg.endpoint.return_token_ids:
+        ids = _opt_ids(choice.get("token_ids"), "choices[0].token_ids")
+        if ids:
+            return reported_ids(ids, tokenizer, reasoning, content, close, eot, fmt, truncated)
+    if not cfg.endpoint.logprobs:
         return None
     tokens = LogprobTokens()
     tokens.feed(choice.get("logprobs"))
-    truncated = choice.get("finish_reason") == "length"
-    return exact_ids(
-        tokens, tokenizer, reasoning, content, markers.reasoning_close, markers.end_of_turn, markers.fmt, truncated
-    )
+    return exact_ids(tokens, tokenizer, reasoning, content, close, eot, fmt, truncated)
+
+
+def _opt_ids(value: Any, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise MalformedResponseError(f"{what} must be a list of integers")
+    return value
 
 
 def _parse_chat(
@@ -278,7 +294,7 @@ def _parse_chat(
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise MalformedResponseError(f"chat response has no choices (keys: {sorted(body)})")
-    choice = choices[0]
+    choice, ep = choices[0], cfg.endpoint
     message = choice.get("message")
     if not isinstance(message, dict):
         raise MalformedResponseError("chat response choice has no message object")
@@ -317,7 +333,7 @@ def _parse_chat(
         model=_opt_str(body.get("model"), "model"),
         generation_id=_opt_str(body.get("id"), "id"),
         output_ids=None if exact is None else exact.ids,
-        prompt_ids=None,
+        prompt_ids=_opt_ids(body.get("prompt_token_ids"), "prompt_token_ids") if ep.return_token_ids else None,
         quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
         cost_unknown=unknown,
         cost_priced=priced and cost is not None,

@@ -948,7 +948,7 @@ def _generate_locked(
     stopped = False
     writer: LedgerWriter | None = None
     if pending or _has_settleable(cfg, ledger):
-        if pending and (ep.kind == "sglang_generate" or ep.logprobs) and tokenizer is None:
+        if pending and (ep.kind == "sglang_generate" or ep.logprobs or ep.return_token_ids) and tokenizer is None:
             tokenizer = load_tokenizer(cfg.tokenizer)
         writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s)
         journal = None

@@ -37,7 +37,7 @@ from orjson import loads as _loads
 from tasks.generate.endpoints import MalformedResponseError
 from tasks.generate.token_bytes import LogprobTokens
 
-ENVELOPE_KEYS = ("id", "provider", "model", "quantization")
+ENVELOPE_KEYS = ("id", "provider", "model", "quantization", "prompt_token_ids")
 LEARN_TRIES = 4
 SHAPE_TRIES = 8
 MAX_SHAPES = 3
@@ -54,7 +54,9 @@ class StreamAssembler:
     (the first chunk carries it), so the spend ledger records it before the answer ends; `on_choice(choice)` with
     each chunk's first choice, parsed, the place for other per-chunk fields (with it, every chunk is parsed:
     shapes are not learned). Per-token `logprobs` are accumulated in `logprobs` (`endpoint.logprobs`) and given
-    back in `body()` as one non-streamed `logprobs` object; a chunk that carries them is always parsed."""
+    back in `body()` as one non-streamed `logprobs` object, and vLLM's per-chunk `token_ids`
+    (`endpoint.return_token_ids`) as the choice's `token_ids`, its first chunk's `prompt_token_ids` beside them; a
+    chunk that carries either is always parsed."""
 
     __slots__ = (
         "_by_line",
@@ -75,6 +77,7 @@ class StreamAssembler:
         "meta",
         "on_choice",
         "on_generation_id",
+        "token_ids",
         "usage",
     )
 
@@ -102,6 +105,7 @@ class StreamAssembler:
         self.error: Any = None
         self.done = False
         self.logprobs = LogprobTokens()
+        self.token_ids: list[Any] | None = None
 
     def feed(self, data: bytes) -> None:
         """The next bytes of the body, cut anywhere.
@@ -231,6 +235,7 @@ class StreamAssembler:
             type(delta) is not dict
             or choice.get("finish_reason") is not None
             or choice.get("logprobs") is not None  # per-token data a shape would skip: such chunks are parsed
+            or choice.get("token_ids") is not None
             or delta.get("reasoning_content")
         ):
             return
@@ -328,6 +333,11 @@ class StreamAssembler:
             logprobs = choice.get("logprobs")
             if logprobs is not None:
                 self.logprobs.feed(logprobs)
+            ids = choice.get("token_ids")
+            if ids is not None:
+                if type(ids) is not list:
+                    raise TypeError("token_ids")
+                self.token_ids = ids if self.token_ids is None else self.token_ids + ids
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
                 self._envelope(chunk)
@@ -362,6 +372,8 @@ class StreamAssembler:
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish_reason}
         if self.logprobs.seen:
             choice["logprobs"] = self.logprobs.wire()
+        if self.token_ids is not None:
+            choice["token_ids"] = self.token_ids
         body: dict[str, Any] = {**self.meta, "choices": [choice]}
         if self.usage is not None:
             body["usage"] = self.usage

@@ -246,6 +246,43 @@ def exact_ids(
         ids = index.ids(entries)
     except TokenBytesError:
         return None
+    return _spelling(ids, index, reasoning, content, reasoning_close, fmt, truncated)
+
+
+def reported_ids(
+    ids: Sequence[int],
+    tokenizer: PreTrainedTokenizerBase,
+    reasoning: str | None,
+    content: str | None,
+    reasoning_close: str,
+    end_of_turn: str = "",
+    fmt: CompletionFormat | None = None,
+    truncated: bool = False,
+) -> ExactIds | None:
+    """The model's ids as the endpoint reported them (vLLM's `token_ids`), when they spell this answer as
+    `exact_ids` requires of logprobs; None otherwise (the row is then re-encoded, and validation compares the
+    re-encoding with these ids). A last id for the end of turn (vLLM lists the stop token) is left out, as
+    reconstruct adds that id itself; an id the vocabulary does not have spells nothing, so the ids are refused."""
+    index = token_bytes_index(tokenizer)
+    eot = index.by_added.get(end_of_turn) if end_of_turn else None
+    body = list(ids[:-1]) if eot is not None and ids[-1:] == [eot] else list(ids)
+    if not body or any(i not in index.bytes_of for i in body):
+        return None
+    return _spelling(body, index, reasoning, content, reasoning_close, fmt, truncated)
+
+
+def _spelling(
+    ids: list[int],
+    index: TokenBytesIndex,
+    reasoning: str | None,
+    content: str | None,
+    reasoning_close: str,
+    fmt: CompletionFormat | None,
+    truncated: bool,
+) -> ExactIds | None:
+    """`ids` when their bytes spell the content (no reasoning), reasoning + close marker + content, or the
+    completion as reconstruct lays it out; with `truncated`, also when they spell it up to text the endpoint
+    held back (`ExactIds.held_back`)."""
     pieces = [index.bytes_of[i] for i in ids]
     whole = {content or ""} if not reasoning else set()
     if reasoning_close:
