@@ -24,13 +24,13 @@ from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, S
 from tasks.common.errors import ReconstructionError
 from tasks.common.messages import sample_id
 from tasks.common.schemas import PROMPTS
-from tasks.common.shards import PartRef, read_part, write_part
+from tasks.common.shards import PartRef, read_marker, read_part, write_part
 from tasks.generate import CompletionMarkers, generate_parts
 from tasks.generate.endpoints import MalformedResponseError, parse_response
 from tasks.generate.sse import StreamAssembler
 from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids, reported_ids, token_bytes_index
 from tasks.reconstruct.completion_format import format_for
-from tasks.reconstruct.stage import reconstruct_part
+from tasks.reconstruct.stage import model_ids_notice, reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 from tasks.validate.checks import validate_part
 from tests.test_generate import make_cfg, write_prompts
@@ -157,6 +157,29 @@ def test_a_prompt_the_server_rendered_otherwise_stops_reconstruct(tmp_path: Path
             run_stages(cfg)
     responses = read_part(PartRef(cfg.run_dir, "responses", 0)).to_pylist()
     assert all(r["status"] == "done" and r["prompt_ids"] for r in responses)  # the paid answers are kept
+
+
+def test_token_ids_of_another_text_are_the_reference_and_the_run_says_so(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A server whose returned text is not what its ids spell (here: a word changed after sampling): the row
+    stores a re-encoding of the text, the reported ids stay its reference (as /generate's output_ids do), so
+    validation classifies the difference, and one line says how many rows asked for ids and got a re-encoding."""
+    sim_config = SimConfig(text_mismatch_rate=1.0, tool_call_rate=0.0)
+    responder = Responder(tokenizer_dir, sim_config)
+    with SimulatorServer(tokenizer_dir, sim_config, responder=responder) as sim:
+        cfg = make_cfg(tmp_path, sim, tokenizer_dir, stream=False, return_token_ids=True)
+        responses, tokens, _ = run_stages(cfg)
+    prompts = {p["sample_id"]: p["messages"] for p in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()}
+    for response in responses:
+        sent = [m for m in prompts[response["sample_id"]] if m["role"] != "assistant"]
+        assert response["output_ids"] == list(responder.sample_for_messages(sent).output_ids)
+        assert tokens[response["sample_id"]]["token_source"] == "reencoded"
+    validation = read_part(PartRef(cfg.run_dir, "validation", 0)).to_pylist()
+    assert {v["reference_match"] for v in validation} == {"real_difference"}
+    stats = read_marker(PartRef(cfg.run_dir, "tokens", 0))["stats"]
+    notice = model_ids_notice(cfg, [stats])
+    assert notice is not None and notice.startswith(f"{SAMPLES} of {SAMPLES} rows store a re-encoding")
+    assert "endpoint.return_token_ids" in notice
+    assert model_ids_notice(cfg, [{**stats, "reencoded_rows": 0}]) is None
 
 
 def test_token_ids_that_do_not_spell_the_answer_are_not_stored(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -261,7 +261,9 @@ def _model_ids(
 ) -> ExactIds | None:
     """The model's exact ids: the choice's `token_ids` (`endpoint.return_token_ids`, vLLM), else rebuilt from its
     logprobs bytes (`endpoint.logprobs`), when they cover the whole answer; the end-of-turn id is not among them
-    (reconstruct adds it, as for a re-encoded row)."""
+    (reconstruct adds it, as for a re-encoded row). Reported ids that do not spell the answer are still its
+    reference (`_parse_chat`), as `/generate`'s `output_ids` are: the row is re-encoded, and validation classifies
+    that re-encoding against the ids the model really generated."""
     if tokenizer is None:
         return None
     truncated = choice.get("finish_reason") == "length"
@@ -314,6 +316,7 @@ def _parse_chat(
     reasoning = _opt_str(reasoning, "message.reasoning")
     content = _opt_str(message.get("content"), "message.content")
     exact = _model_ids(cfg, choice, reasoning, content, markers or CompletionMarkers("", ""), tokenizer)
+    reported = _opt_ids(choice.get("token_ids"), "choices[0].token_ids") if ep.return_token_ids else None
     if exact is not None and exact.held_back:
         if content or not reasoning:
             content = (content or "") + exact.held_back
@@ -332,7 +335,7 @@ def _parse_chat(
         provider=_opt_str(body.get("provider"), "provider"),
         model=_opt_str(body.get("model"), "model"),
         generation_id=_opt_str(body.get("id"), "id"),
-        output_ids=None if exact is None else exact.ids,
+        output_ids=exact.ids if exact is not None else (reported or None),
         prompt_ids=_opt_ids(body.get("prompt_token_ids"), "prompt_token_ids") if ep.return_token_ids else None,
         quantization=_opt_str(body.get("quantization"), "quantization") or pinned_quantization(cfg),
         cost_unknown=unknown,

@@ -493,6 +493,31 @@ def tokens_recipe(cfg: PipelineConfig, fmt: CompletionFormat, repair: RepairTabl
     return recipe
 
 
+def model_ids_notice(cfg: PipelineConfig, stats: Sequence[Mapping[str, Any]]) -> str | None:
+    """One line when the config asks the endpoint for the model's ids and some rows store a re-encoding anyway:
+    an endpoint that ignores the request (OpenRouter has no `return_token_ids`, many providers no logprobs) falls
+    back to re-encoding row by row, which the report counts but nothing else says."""
+    ep = cfg.endpoint
+    asked = [
+        name
+        for name, on in (
+            ("endpoint.kind sglang_generate", ep.kind == "sglang_generate"),
+            ("endpoint.return_token_ids", ep.return_token_ids),
+            ("endpoint.logprobs", ep.logprobs),
+        )
+        if on
+    ]
+    reencoded = sum(int(s.get("reencoded_rows") or 0) for s in stats)
+    if not asked or cfg.reconstruct.token_ids != "model" or not reencoded:
+        return None
+    rows = sum(int(s.get("rows") or 0) for s in stats)
+    return (
+        f"{reencoded} of {rows} rows store a re-encoding of their text although {' and '.join(asked)} asks the "
+        "endpoint for the model's ids: it returned none for them, or ids that do not spell the text they came with "
+        "(per dataset in the report's token_source counts)"
+    )
+
+
 def repair_table(cfg: PipelineConfig, fmt: CompletionFormat) -> RepairTable | None:
     if cfg.reconstruct.repair_from is None:
         return None
