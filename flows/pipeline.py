@@ -53,7 +53,7 @@ from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
 from tasks.reconstruct.completion_format import CompletionFormat, format_for
 from tasks.reconstruct.special_tokens import format_table, verify_special_tokens
-from tasks.reconstruct.stage import model_ids_notice, reconstruct_part, repair_table
+from tasks.reconstruct.stage import endpoint_prompt_notice, model_ids_notice, reconstruct_part, repair_table
 from tasks.reconstruct.template_clock import template_prints_date
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 from tasks.scoring import check_parity_gate, provider_rows, publish_score_report
@@ -348,9 +348,9 @@ def stage_cpu(
     else:
         with tags(RUN_TAG):  # the heartbeat automation covers runs so tagged: a dead host's subflow ends Crashed too
             out = cpu_stages_flow(cfg, parts)
-    notice = model_ids_notice(cfg, out["reconstruct"])
-    if notice:
-        get_run_logger().warning("%s", notice)
+    for notice in (model_ids_notice(cfg, out["reconstruct"]), endpoint_prompt_notice(out["reconstruct"])):
+        if notice:
+            get_run_logger().warning("%s", notice)
     _push(store, cfg, "tokens", parts)
     _push(store, cfg, "validation", parts)
     try:

@@ -21,7 +21,6 @@ from endpoint_sim.model_backend import ModelResponder
 from endpoint_sim.responder import Responder, SimConfig
 from endpoint_sim.server import SimulatorServer
 from tasks.common.config import DatasetConfig, EndpointConfig, PipelineConfig, SamplingConfig, TokenizerConfig
-from tasks.common.errors import ReconstructionError
 from tasks.common.messages import sample_id
 from tasks.common.schemas import PROMPTS
 from tasks.common.shards import PartRef, read_marker, read_part, write_part
@@ -30,7 +29,7 @@ from tasks.generate.endpoints import MalformedResponseError, parse_response
 from tasks.generate.sse import StreamAssembler
 from tasks.generate.token_bytes import ExactIds, LogprobTokens, exact_ids, reported_ids, token_bytes_index
 from tasks.reconstruct.completion_format import format_for
-from tasks.reconstruct.stage import model_ids_notice, reconstruct_part
+from tasks.reconstruct.stage import endpoint_prompt_notice, model_ids_notice, reconstruct_part
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 from tasks.validate.checks import validate_part
 from tests.test_generate import make_cfg, write_prompts
@@ -146,17 +145,35 @@ def test_vllm_token_ids_are_the_stored_ids(tmp_path: Path, tokenizer_dir: Path, 
     assert split >= SAMPLES // 2 and stats["model_rows"] == SAMPLES
 
 
-def test_a_prompt_the_server_rendered_otherwise_stops_reconstruct(tmp_path: Path, tokenizer_dir: Path) -> None:
+def test_a_prompt_the_server_rendered_otherwise_is_the_stored_prompt(tmp_path: Path, tokenizer_dir: Path) -> None:
     """A server that renders the prompt otherwise than the configured template (here: a system prompt of its
-    own) reports prompt ids the stored row would not have: reconstruct refuses the part, naming the sample and
-    where the ids part, instead of storing a prompt the target never read."""
-    sim_config = SimConfig(tool_call_rate=0.0, injected_system_prompt="You are a helpful assistant.")
-    with SimulatorServer(tokenizer_dir, sim_config) as sim:
+    own) reports the prompt ids the target really read: those are the row's prompt, not ours, so the stored row
+    is what the target read and wrote (the billed prompt tokens agree with it), and one line says how many rows
+    differ from the configured template."""
+    injected = "You are a helpful assistant."
+    sim_config = SimConfig(tool_call_rate=0.0, injected_system_prompt=injected)
+    responder = Responder(tokenizer_dir, sim_config)
+    with SimulatorServer(tokenizer_dir, sim_config, responder=responder) as sim:
         cfg = make_cfg(tmp_path, sim, tokenizer_dir, return_token_ids=True)
-        with pytest.raises(ReconstructionError, match=r"sample .*rendered prompt ids differ .* at position \d+"):
-            run_stages(cfg)
-    responses = read_part(PartRef(cfg.run_dir, "responses", 0)).to_pylist()
-    assert all(r["status"] == "done" and r["prompt_ids"] for r in responses)  # the paid answers are kept
+        responses, tokens, _ = run_stages(cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    prompts = {p["sample_id"]: p["messages"] for p in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()}
+    for response in responses:
+        sent = [m for m in prompts[response["sample_id"]] if m["role"] != "assistant"]
+        served = list(responder.prompt_ids_for_messages(sent))
+        row = tokens[response["sample_id"]]
+        assert row["input_ids"][: row["prompt_len"]] == served == response["prompt_ids"]
+        assert completion(row) == list(responder.sample(tuple(served), None).output_ids)
+        if sent[0]["role"] != "system":  # the server's own system prompt is in the stored prompt
+            assert injected in tokenizer.decode(served)
+    validation = read_part(PartRef(cfg.run_dir, "validation", 0)).to_pylist()
+    assert {v["prompt_match"] for v in validation} == {"exact"} and {v["verdict"] for v in validation} == {"pass"}
+    stats = read_marker(PartRef(cfg.run_dir, "tokens", 0))["stats"]
+    differing = sum(not any(m["role"] == "system" for m in prompts[r["sample_id"]]) for r in responses)
+    assert differing and stats["endpoint_prompt_rows"] == differing
+    notice = endpoint_prompt_notice([stats])
+    assert notice is not None and notice.startswith(f"{differing} of {SAMPLES} rows store the prompt ids")
+    assert endpoint_prompt_notice([{**stats, "endpoint_prompt_rows": 0}]) is None
 
 
 def test_token_ids_of_another_text_are_the_reference_and_the_run_says_so(tmp_path: Path, tokenizer_dir: Path) -> None:

@@ -49,6 +49,9 @@ ANSWERS = [
 ]
 
 
+GENERATE_ROUTE = EndpointConfig(model="tiny", kind="sglang_generate")
+
+
 def make_cfg(run_dir: Path, tokenizer_dir: Path, **reconstruct: Any) -> PipelineConfig:
     return PipelineConfig(
         run_dir=run_dir,
@@ -151,7 +154,8 @@ def test_failed_responses_are_skipped_and_rerun_is_a_no_op(tmp_path: Path, token
 def test_endpoint_prompt_ids_are_checked(
     tmp_path: Path, tokenizer_dir: Path, tokenizer: PreTrainedTokenizerBase
 ) -> None:
-    cfg = make_cfg(tmp_path, tokenizer_dir)
+    """Prompt ids sent to /generate were rendered here: rendered again now, they must come out the same."""
+    cfg = make_cfg(tmp_path, tokenizer_dir).model_copy(update={"endpoint": GENERATE_ROUTE})
     conv = CONVERSATIONS[0]
     sent = render_prompt_ids(tokenizer, conv)
     write_inputs(tmp_path, 0, [conv], [response_row(sid_of(conv), "R", "C", prompt_ids=sent)])
@@ -289,7 +293,8 @@ def test_finished_conversation_is_not_re_rendered(
 
 def test_chat_template_kwargs_reach_the_prompt(tmp_path: Path) -> None:
     """DeepSeek-V3.1's real template opens <think> only when rendered with thinking=True: the kwargs in the
-    config decide the prompt, and ids recorded by an endpoint that rendered without them are refused."""
+    config decide the prompt; ids sent to /generate rendered without them are refused, and a chat server's own
+    rendering without them is what its target read, so it is the stored prompt (and counted)."""
     from tests.fixtures.families import deepseek_dir
 
     tokenizer_dir = deepseek_dir(tmp_path / "v31")
@@ -306,10 +311,13 @@ def test_chat_template_kwargs_reach_the_prompt(tmp_path: Path) -> None:
     assert prompt.endswith("<｜Assistant｜><think>")
     assert read_provenance(PartRef(tmp_path, "tokens", 0).path)["chat_template_kwargs"] == {"thinking": True}
 
-    sent_without = render_prompt_ids(tokenizer, conv)  # the endpoint rendered with the template's defaults
+    sent_without = render_prompt_ids(tokenizer, conv)  # rendered with the template's defaults
     write_inputs(tmp_path, 1, [conv], [response_row(sid_of(conv), "R", "C", prompt_ids=sent_without)])
-    with pytest.raises(ReconstructionError, match="rendered prompt ids differ"):
-        reconstruct_part(thinking, 1, PRESETS["deepseek_v31_thinking"])
+    with pytest.raises(ReconstructionError, match="rendered prompt ids differ"):  # sent to /generate so: refused
+        reconstruct_part(thinking.model_copy(update={"endpoint": GENERATE_ROUTE}), 1, PRESETS["deepseek_v31_thinking"])
+    stats = reconstruct_part(thinking, 1, PRESETS["deepseek_v31_thinking"])  # a chat server's own rendering: kept
+    row = read_part(PartRef(tmp_path, "tokens", 1)).to_pylist()[0]
+    assert row["input_ids"][: row["prompt_len"]] == sent_without and stats["endpoint_prompt_rows"] == 1
 
 
 @pytest.mark.parametrize("family", ["deepseek_v31", "kimi_k2_thinking", "gpt_oss", "qwen3"])

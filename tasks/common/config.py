@@ -122,7 +122,7 @@ class EndpointConfig(StrictModel):
         default=False,
         description="openai_chat on vLLM: ask for the ids themselves (`return_token_ids: true`): the sampled "
         "`token_ids` are stored as output_ids (checked to spell the answer's text) and the `prompt_token_ids` the "
-        "server rendered are checked against ours; an endpoint that returns none (OpenRouter) is re-encoded.",
+        "server rendered are the row's prompt; an endpoint that returns none (OpenRouter) is re-encoded.",
     )
     provider_routing: dict[str, Any] | None = Field(
         default=None, description="OpenRouter `provider` object (order, only, quantizations, ...)."

@@ -72,6 +72,7 @@ TOKEN_STATS = (
     "reencoded_rows",
     "repaired_rows",
     "repairs_refused_by_bill",
+    "endpoint_prompt_rows",
 )
 TOKEN_SOURCES = ("model", "reencoded", "repaired")
 """`tokens.token_source`: the ids the endpoint reported the model generated, the returned text re-encoded, or
@@ -99,6 +100,9 @@ class SampleText:
     generation_id: str | None = None
     sent_at_s: float | None = None
     """When the request was sent, for a template that prints the date (`template_clock`); None: not needed."""
+    prompt_rendered_by_endpoint: bool = False
+    """`prompt_ids` are the endpoint's own rendering of the messages (a chat endpoint's `prompt_token_ids`), not
+    ids this tool rendered and sent: they are what the target read, so they are the row's prompt."""
 
     @property
     def truncated(self) -> bool:
@@ -119,7 +123,9 @@ def _check_prompt_ids(sample: SampleText, ours: list[int]) -> None:
         sample.sample_id,
         f"rendered prompt ids differ from the ids the endpoint recorded at position {at} "
         f"(ours {ours[max(0, at - 2) : at + 3]} vs endpoint {list(sent[max(0, at - 2) : at + 3])}; "
-        f"lengths {len(ours)} vs {len(sent)})",
+        f"lengths {len(ours)} vs {len(sent)}): the prompt the target read was rendered with another chat template "
+        "or other template kwargs than tokenizer.path and tokenizer.chat_template_kwargs give now; make them those "
+        "it was rendered with and rerun (the answers are kept)",
     )
 
 
@@ -208,6 +214,7 @@ def _tokens_table(
     lens: np.ndarray,
     sources: Sequence[str],
     repairs_refused: int = 0,
+    endpoint_prompts: int = 0,
 ) -> tuple[pa.Table, dict[str, int]]:
     """`lens`: per row (prompt_len, completion_len, reasoning_len); `sources`: per row, a `TOKEN_SOURCES` value."""
     offsets = pa.array(row_offsets.astype(np.int32))
@@ -236,6 +243,7 @@ def _tokens_table(
         "reencoded_rows": sum(s == "reencoded" for s in sources),
         "repaired_rows": sum(s == "repaired" for s in sources),
         "repairs_refused_by_bill": repairs_refused,
+        "endpoint_prompt_rows": endpoint_prompts,
     }
     return table, stats
 
@@ -260,8 +268,14 @@ def _final_turn_rows(
     completion_ids, at = encode_completions(backend, fmt, encoded)
     backend.spot_check(prompts, sample_ids, prompt_ids)
     backend.spot_check(texts, sample_ids, completion_ids)
+    endpoint_prompts = 0
     for i, s in enumerate(samples):
-        if s.sent_at_s is not None and s.prompt_ids is not None:  # a dated template, sent as ids: those are the prompt
+        if s.prompt_ids is None:
+            continue
+        if s.prompt_rendered_by_endpoint:
+            endpoint_prompts += list(s.prompt_ids) != prompt_ids[i]
+            prompt_ids[i] = list(s.prompt_ids)
+        elif s.sent_at_s is not None:  # a dated template, sent as ids: those are the prompt
             prompt_ids[i] = list(s.prompt_ids)
     sources = ["reencoded"] * len(samples)
     eot = backend.token_to_id(fmt.end_of_turn)
@@ -307,7 +321,7 @@ def _final_turn_rows(
     values = np.tile(np.asarray(loss_mask_values(rcfg.loss_on_reasoning, rcfg.loss_on_end_of_turn), np.uint8), n)
     mask = np.repeat(values, segments.ravel())
     lens = np.stack([segments[:, 0], segments[:, 1:].sum(axis=1), segments[:, 1]], axis=1)
-    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources, refused)
+    return _tokens_table(fmt, samples, row_offsets, flat, mask, lens, sources, refused, endpoint_prompts)
 
 
 def tokens_cut_off(
@@ -518,6 +532,21 @@ def model_ids_notice(cfg: PipelineConfig, stats: Sequence[Mapping[str, Any]]) ->
     )
 
 
+def endpoint_prompt_notice(stats: Sequence[Mapping[str, Any]]) -> str | None:
+    """One line when rows store prompt ids the endpoint rendered otherwise than the configured chat template does:
+    they are what the target read, so they are kept, and a template that differs from the server's is worth
+    knowing before the next run (and before the drafter is served behind another template)."""
+    differing = sum(int(s.get("endpoint_prompt_rows") or 0) for s in stats)
+    if not differing:
+        return None
+    rows = sum(int(s.get("rows") or 0) for s in stats)
+    return (
+        f"{differing} of {rows} rows store the prompt ids the endpoint rendered (prompt_token_ids), which differ "
+        "from tokenizer.path's chat template with tokenizer.chat_template_kwargs: the target read the endpoint's, "
+        "so those are kept; make the configured template the server's if the difference is not meant"
+    )
+
+
 def repair_table(cfg: PipelineConfig, fmt: CompletionFormat) -> RepairTable | None:
     if cfg.reconstruct.repair_from is None:
         return None
@@ -541,6 +570,8 @@ def reconstruct_part(cfg: PipelineConfig, part: int, fmt: CompletionFormat) -> d
     prompts = read_part(out.with_stage("prompts"), columns=["sample_id", "messages"])
     responses = read_part(out.with_stage("responses"), columns=RESPONSE_COLUMNS)
     samples, not_done = pair_samples(prompts, responses)
+    if cfg.endpoint.kind == "openai_chat":  # prompt ids there are only ever the endpoint's own (`prompt_token_ids`)
+        samples = [replace(s, prompt_rendered_by_endpoint=True) if s.prompt_ids is not None else s for s in samples]
     if template_prints_date(cfg.tokenizer.path):
         finished = float(read_marker(out.with_stage("responses")).get("finished_at") or 0.0)
         sent = send_times(cfg.run_dir, samples, finished)
