@@ -254,12 +254,13 @@ def _opt_str(value: Any, what: str) -> str | None:
 def _model_ids(
     cfg: PipelineConfig,
     choice: dict[str, Any],
+    reported: list[int] | None,
     reasoning: str | None,
     content: str | None,
     markers: CompletionMarkers,
     tokenizer: PreTrainedTokenizerBase | None,
 ) -> ExactIds | None:
-    """The model's exact ids: the choice's `token_ids` (`endpoint.return_token_ids`, vLLM), else rebuilt from its
+    """The model's exact ids: the ids the endpoint `reported` (vLLM's `token_ids`), else rebuilt from the choice's
     logprobs bytes (`endpoint.logprobs`), when they cover the whole answer; the end-of-turn id is not among them
     (reconstruct adds it, as for a re-encoded row). Reported ids that do not spell the answer are still its
     reference (`_parse_chat`), as `/generate`'s `output_ids` are: the row is re-encoded, and validation classifies
@@ -268,10 +269,8 @@ def _model_ids(
         return None
     truncated = choice.get("finish_reason") == "length"
     close, eot, fmt = markers.reasoning_close, markers.end_of_turn, markers.fmt
-    if cfg.endpoint.return_token_ids:
-        ids = _opt_ids(choice.get("token_ids"), "choices[0].token_ids")
-        if ids:
-            return reported_ids(ids, tokenizer, reasoning, content, close, eot, fmt, truncated)
+    if reported:
+        return reported_ids(reported, tokenizer, reasoning, content, close, eot, fmt, truncated)
     if not cfg.endpoint.logprobs:
         return None
     tokens = LogprobTokens()
@@ -315,8 +314,8 @@ def _parse_chat(
         cost = price_cost(cfg, prompt_tokens, completion_tokens)
     reasoning = _opt_str(reasoning, "message.reasoning")
     content = _opt_str(message.get("content"), "message.content")
-    exact = _model_ids(cfg, choice, reasoning, content, markers or CompletionMarkers("", ""), tokenizer)
     reported = _opt_ids(choice.get("token_ids"), "choices[0].token_ids") if ep.return_token_ids else None
+    exact = _model_ids(cfg, choice, reported, reasoning, content, markers or CompletionMarkers("", ""), tokenizer)
     if exact is not None and exact.held_back:
         if content or not reasoning:
             content = (content or "") + exact.held_back

@@ -337,7 +337,9 @@ class StreamAssembler:
             if ids is not None:
                 if type(ids) is not list:
                     raise TypeError("token_ids")
-                self.token_ids = ids if self.token_ids is None else self.token_ids + ids
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(ids)  # a 32k-token answer streams 32k chunks: no copy per chunk
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
                 self._envelope(chunk)
