@@ -268,6 +268,27 @@ def test_bytes_map_split_characters_and_non_canonical_pieces(tokenizer: PreTrain
     assert ids is not None and ids.ids == [expected[0], tokenizer.convert_tokens_to_ids("</think>"), *expected[1:]]
 
 
+def test_logprobs_without_bytes_as_llama_cpp_python_serves_them(tokenizer: PreTrainedTokenizerBase) -> None:
+    """llama-cpp-python's chat completions (0.3.36, `_convert_text_completion_logprobs_to_chat`) send `"bytes":
+    null` and each token as its own detokenized text decoded with errors="ignore". Whole-character tokens still
+    name their ids (a non-canonical split included); a character cut across two tokens leaves text that names
+    no token, and the answer is re-encoded rather than stored with ids the model never emitted."""
+    index = token_bytes_index(tokenizer)
+
+    def served(pieces: list[bytes]) -> LogprobTokens:
+        tokens = LogprobTokens()
+        tokens.feed({"content": [{"token": p.decode("utf-8", errors="ignore"), "bytes": None} for p in pieces]})
+        return tokens
+
+    whole = [b"The", b" NOR", b"TH", b" pole"]
+    ids = [index.by_bytes[p] for p in whole]
+    assert ids != tokenizer.encode("The NORTH pole", add_special_tokens=False)
+    assert exact_ids(served(whole), tokenizer, "", "The NORTH pole", "</think>") == ExactIds(ids)
+    cut = [b"Z", b"\xc3", b"\xbc", b"rich"]
+    assert all(p in index.by_bytes for p in cut)
+    assert exact_ids(served(cut), tokenizer, "", "Zürich", "</think>") is None
+
+
 def test_keep_length_truncated_also_passes_validation(tmp_path: Path, tokenizer_dir: Path) -> None:
     """One setting: a kept truncated answer is not failed later by `validation.allowed_finish_reasons`."""
     with SimulatorServer(tokenizer_dir, SimConfig(tool_call_rate=0.0)) as sim:
