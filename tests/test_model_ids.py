@@ -1,5 +1,6 @@
 """Token-exact data: the ids the model generated are the stored ids, whether the endpoint returns them (SGLang's
-/generate `output_ids`) or per-token logprobs with bytes (OpenAI's shape, streamed and not), including answers
+/generate `output_ids`, vLLM's chat `token_ids` with the `prompt_token_ids` it rendered) or per-token logprobs with
+bytes (OpenAI's shape, streamed and not; llama-cpp-python's without bytes), including answers
 whose tokenization re-encoding never gives and a multi-byte character cut across two tokens.
 
 Real parts throughout: the simulator on 127.0.0.1 (backed by the tiny random-weight model, whose free choice of
@@ -199,7 +200,7 @@ def test_token_ids_of_another_text_are_the_reference_and_the_run_says_so(tmp_pat
     assert model_ids_notice(cfg, [{**stats, "reencoded_rows": 0}]) is None
 
 
-def test_token_ids_that_do_not_spell_the_answer_are_not_stored(tokenizer: PreTrainedTokenizerBase) -> None:
+def test_token_ids_that_do_not_spell_the_answer_are_not_the_rows_ids(tokenizer: PreTrainedTokenizerBase) -> None:
     """Ids are taken only when they spell the text the answer carries: a stop token other than the end of turn,
     an id outside the vocabulary or a text changed after sampling leaves the row to re-encoding; malformed ids
     are a malformed response."""
