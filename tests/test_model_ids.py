@@ -69,6 +69,12 @@ def run_stages(
     return responses, tokens, stats
 
 
+def sent_messages(cfg: PipelineConfig) -> dict[str, list[dict[str, Any]]]:
+    """Each sample's request messages: its prompt without a trailing assistant turn, which is never sent."""
+    rows = read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()
+    return {p["sample_id"]: [m for m in p["messages"] if m["role"] != "assistant"] for p in rows}
+
+
 def completion(row: dict[str, Any]) -> list[int]:
     ids: list[int] = row["input_ids"][row["prompt_len"] :]
     return ids
@@ -109,10 +115,9 @@ def test_logprobs_bytes_rebuild_the_exact_ids(tmp_path: Path, tokenizer_dir: Pat
     assert all(r["status"] == "done" for r in responses)
     tokenizer = load_tokenizer(cfg.tokenizer)
     split = 0
+    sent = sent_messages(cfg)
     for response in responses:
-        messages = [m for m in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()]
-        prompt = next(p for p in messages if p["sample_id"] == response["sample_id"])["messages"]
-        sample = responder.sample_for_messages([m for m in prompt if m["role"] != "assistant"])
+        sample = responder.sample_for_messages(sent[response["sample_id"]])
         assert response["output_ids"] == list(sample.output_ids[:-1])  # logprobs leave out the end of turn
         row = tokens[response["sample_id"]]
         assert completion(row) == list(sample.output_ids) and row["token_source"] == "model"
@@ -132,10 +137,10 @@ def test_vllm_token_ids_are_the_stored_ids(tmp_path: Path, tokenizer_dir: Path, 
         cfg = make_cfg(tmp_path, sim, tokenizer_dir, stream=stream, return_token_ids=True)
         responses, tokens, stats = run_stages(cfg)
     assert all(r["status"] == "done" for r in responses)
-    prompts = {p["sample_id"]: p["messages"] for p in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()}
+    requests = sent_messages(cfg)
     split = 0
     for response in responses:
-        sent = [m for m in prompts[response["sample_id"]] if m["role"] != "assistant"]
+        sent = requests[response["sample_id"]]
         sample = responder.sample_for_messages(sent)
         assert response["output_ids"] == list(sample.output_ids[:-1])  # the stop token is reconstruct's to add
         assert response["prompt_ids"] == list(responder.prompt_ids_for_messages(sent))
@@ -158,9 +163,9 @@ def test_a_prompt_the_server_rendered_otherwise_is_the_stored_prompt(tmp_path: P
         cfg = make_cfg(tmp_path, sim, tokenizer_dir, return_token_ids=True)
         responses, tokens, _ = run_stages(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    prompts = {p["sample_id"]: p["messages"] for p in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()}
+    requests = sent_messages(cfg)
     for response in responses:
-        sent = [m for m in prompts[response["sample_id"]] if m["role"] != "assistant"]
+        sent = requests[response["sample_id"]]
         served = list(responder.prompt_ids_for_messages(sent))
         row = tokens[response["sample_id"]]
         assert row["input_ids"][: row["prompt_len"]] == served == response["prompt_ids"]
@@ -170,7 +175,7 @@ def test_a_prompt_the_server_rendered_otherwise_is_the_stored_prompt(tmp_path: P
     validation = read_part(PartRef(cfg.run_dir, "validation", 0)).to_pylist()
     assert {v["prompt_match"] for v in validation} == {"exact"} and {v["verdict"] for v in validation} == {"pass"}
     stats = read_marker(PartRef(cfg.run_dir, "tokens", 0))["stats"]
-    differing = sum(not any(m["role"] == "system" for m in prompts[r["sample_id"]]) for r in responses)
+    differing = sum(messages[0]["role"] != "system" for messages in requests.values())
     assert differing and stats["endpoint_prompt_rows"] == differing
     notice = endpoint_prompt_notice([stats])
     assert notice is not None and notice.startswith(f"{differing} of {SAMPLES} rows store the prompt ids")
@@ -186,9 +191,9 @@ def test_token_ids_of_another_text_are_the_reference_and_the_run_says_so(tmp_pat
     with SimulatorServer(tokenizer_dir, sim_config, responder=responder) as sim:
         cfg = make_cfg(tmp_path, sim, tokenizer_dir, stream=False, return_token_ids=True)
         responses, tokens, _ = run_stages(cfg)
-    prompts = {p["sample_id"]: p["messages"] for p in read_part(PartRef(cfg.run_dir, "prompts", 0)).to_pylist()}
+    requests = sent_messages(cfg)
     for response in responses:
-        sent = [m for m in prompts[response["sample_id"]] if m["role"] != "assistant"]
+        sent = requests[response["sample_id"]]
         assert response["output_ids"] == list(responder.sample_for_messages(sent).output_ids)
         assert tokens[response["sample_id"]]["token_source"] == "reencoded"
     validation = read_part(PartRef(cfg.run_dir, "validation", 0)).to_pylist()
