@@ -452,13 +452,9 @@ def _parse_generate(
 ) -> GenerationResult:
     text = body.get("text")
     meta = body.get("meta_info")
-    output_ids = body.get("output_ids")
     if not isinstance(text, str) or not isinstance(meta, dict):
         raise MalformedResponseError(f"/generate response needs 'text' and 'meta_info' (keys: {sorted(body)})")
-    if output_ids is not None and not (
-        isinstance(output_ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in output_ids)
-    ):
-        raise MalformedResponseError("/generate output_ids must be a list of integers")
+    output_ids = _opt_ids(body.get("output_ids"), "/generate output_ids")
     finish = meta.get("finish_reason")
     finish_reason = finish.get("type") if isinstance(finish, dict) else finish
     if finish_reason == "length" and _ended_turn(output_ids, markers, tokenizer):
