@@ -382,6 +382,34 @@ def test_retryable_failures_exhaust_max_attempts(
     assert total["failures_by_reason"] == dict(want)
 
 
+@pytest.mark.parametrize("kind", ["midstream_error", "truncated_json"])
+def test_a_trial_request_whose_stream_fails_as_its_own_sample_ends_the_trial(
+    kind: str, tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path
+) -> None:
+    """While a provider fails every request with 503s and its liveness probe answers, one trial request at a time
+    decides when sending resumes. A trial streamed 200 that then failed as its own sample's (an error chunk, a
+    stream cut without a finish) ended neither in an answer nor in an outage-class failure, so the trial stayed
+    taken: every sender, that sample's own retry included, waited for a trial nobody could take, and the run hung
+    with the endpoint idle (seen once in `make test` as the [stream] case of the test above)."""
+    rules = (FailureRule(status=503, rate=0.5, attempts=None), FailureRule(kind=kind, rate=0.5, attempts=None))
+    config = sim.update_config(failures=rules)
+    burst_a, burst_b, own, _ = pick(local, config, f"trial-{kind}", clean=0, per_rule=2)
+    cfg = make_cfg(tmp_path, sim.base_url, tokenizer_dir, "stream", max_attempts=2, outage_probe_min_s=0.01)
+
+    async def go() -> list[SampleOutcome]:
+        async with EndpointClient(cfg, MARKERS) as client:
+            outs = [await client.generate(prompt_messages(m)) for m in (burst_a, burst_b)]
+            # Three 503s in a row while the probe answered: the breaker holds sends for one trial at a time.
+            assert client.breaker.state in ("open", "trial")
+            outs.append(await asyncio.wait_for(client.generate(prompt_messages(own)), timeout=30))
+            return outs
+
+    outcomes = asyncio.run(go())
+    reason = expected_reason(rules[1], "stream")
+    assert [o.reason for o in outcomes] == ["http_503", "http_503", reason]
+    assert outcomes[2].attempts == 2 and sim.stats()["by_key"][key_of(local, own)] == 2
+
+
 @pytest.mark.parametrize("mode", CHAT_MODES)
 def test_empty_reasoning_is_kept_unless_reasoning_is_required(
     mode: str, tmp_path: Path, sim: SimulatorServer, local: Responder, tokenizer_dir: Path

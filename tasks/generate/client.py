@@ -651,7 +651,14 @@ class EndpointClient:
                             on_id = None
                             if uid is not None and self.ledger is not None and not header_id:
                                 on_id = partial(self.ledger.generation, uid)
-                            body = await self._read_stream(resp, on_id)
+                            try:
+                                body = await self._read_stream(resp, on_id)
+                            except RetryableError:
+                                # An error chunk, or a stream ended without a finish: the endpoint answered and
+                                # the failure is this sample's own. A trial request that ended so was otherwise
+                                # never returned to the breaker, and every sender waited for it forever.
+                                breaker.alive(sent_at)
+                                raise
                             raw = b""
                         else:
                             raw = await resp.read()
