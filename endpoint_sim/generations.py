@@ -27,12 +27,12 @@ class Generation:
     completed_at: float
     cancelled: bool = False
 
-    def data(self, cost_factor: float, settled: bool = True, byok_fee_fraction: float | None = None) -> dict[str, Any]:
+    def data(self, settled: bool = True, byok_fee_fraction: float | None = None) -> dict[str, Any]:
         """The record; with `byok_fee_fraction`, `cost_usd` (what the user paid) splits into OpenRouter's fee,
         `total_cost`, and the provider's price, `upstream_inference_cost`, as a BYOK record shows them."""
         if not settled:
             return {"id": self.id, "total_cost": 0, "provider_name": self.provider, "model": self.model}
-        spent = self.cost_usd * cost_factor
+        spent = self.cost_usd
         byok = {}
         if byok_fee_fraction is not None:
             upstream = spent / (1.0 + byok_fee_fraction)

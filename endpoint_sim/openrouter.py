@@ -112,9 +112,11 @@ def _encoded(cfg: SimConfig, usd: float) -> float | str:
 
 
 def spent_usd(cfg: SimConfig, prompt_tokens: int, completion_tokens: int) -> float:
-    """What one generation cost its user: the price, plus OpenRouter's fee on a BYOK request."""
+    """What one generation cost its user: the price, plus OpenRouter's fee on a BYOK request, times the billing
+    drift (`generation_cost_factor`) that the answer's own usage.cost does not show."""
     price = cost_usd(cfg, prompt_tokens, completion_tokens)
-    return price if cfg.byok_fee_fraction is None else price * (1.0 + cfg.byok_fee_fraction)
+    spent = price if cfg.byok_fee_fraction is None else price * (1.0 + cfg.byok_fee_fraction)
+    return spent * cfg.generation_cost_factor
 
 
 @dataclass(frozen=True, slots=True)

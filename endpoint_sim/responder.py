@@ -164,7 +164,10 @@ class SimConfig(BaseModel):
     )
     rate_limit_retry_after_s: float | None = Field(default=None, ge=0.0)
     generation_cost_factor: float = Field(
-        default=1.0, ge=0.0, description="/api/v1/generation total_cost = usage cost * this (billing drift)."
+        default=1.0,
+        ge=0.0,
+        description="Billing drift: the provider bills this multiple of the usage.cost its answers report; its "
+        "billing ledger, /api/v1/generation total_cost and the key's usage all show the bill.",
     )
     generation_lookup_delay_s: float = Field(
         default=0.0, ge=0.0, description="/api/v1/generation answers 404 until this long after completion."

@@ -743,7 +743,7 @@ async def generation_lookup(request: web.Request) -> web.Response:
         settled = state.generations.visible(gen_id, settling) is not None
         status, body = (
             200,
-            {"data": found.data(state.config.generation_cost_factor, settled, state.config.byok_fee_fraction)},
+            {"data": found.data(settled, state.config.byok_fee_fraction)},
         )
     else:
         status, body = 404, _error(404, "Generation not found")

@@ -345,6 +345,11 @@ def test_generation_lookup(sim: SimulatorServer, local: Responder) -> None:
         key = local.key_for_messages(messages("bill me"))
         assert data["latency"] == round(request_latency_s(sim.config, key, attempt) * 1000) > 0
         assert data["generation_time"] >= data["latency"] - 1
+        # Billing drift: the answer's usage.cost understates the bill, and the provider's own books agree on it.
+        bill = next(r for r in sim.billing()["records"] if r["id"] == gen_id)
+        assert bill["cost_usd"] == pytest.approx(data["total_cost"], abs=1e-15)
+    key_usage = httpx.get(f"{sim.base_url}/api/v1/key", timeout=30).json()["data"]["usage"]
+    assert key_usage == pytest.approx(sim.billing()["total_usd"], abs=1e-15)
     missing = httpx.get(f"{sim.base_url}/api/v1/generation", params={"id": "gen-nope"}, timeout=30)
     assert missing.status_code == 404 and missing.json() == {"error": {"code": 404, "message": "Generation not found"}}
     after = sim.stats()
