@@ -100,6 +100,41 @@ def test_an_answer_without_usage_cost_is_recorded_at_its_bill_without_reconcile_
     assert sum(r["cost_usd"] for r in responses(tmp_path).values()) == pytest.approx(provider / 2, rel=0.02)
 
 
+@pytest.mark.parametrize("mode", ["chat", "stream"])
+@pytest.mark.parametrize("kind", ["finish_error", "empty"])
+def test_a_retried_answer_without_usage_cost_is_counted_at_its_generation_record(
+    kind: str, mode: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """An answer that parsed but is retried (finish_reason "error" with half an answer, an empty answer) is paid
+    for as a kept one is. Without usage.cost it was booked at the configured prices, which here are half the
+    provider's: the one place the ledger did not follow the generation record."""
+    failure = FailureRule(kind=kind, rate=1.0, attempts=1)
+    sim_cfg = SimConfig(
+        seed=8, report_cost=False, price_prompt_usd_per_mtok=2.0, price_completion_usd_per_mtok=6.0, failures=(failure,)
+    )
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, mode)
+    reason = {"finish_error": "finish_error", "empty": "empty_response"}[kind]
+    assert summary["done"] == PROMPTS and summary["retries_by_reason"] == {reason: PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0 and totals.answered_attempts + totals.settled_attempts == 2 * PROMPTS
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["chat", "stream"])
+def test_reconcile_cost_checks_retried_answers_against_their_records_too(
+    mode: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """`reconcile_cost` against a provider that bills 1.5x the usage.cost its answers report: kept answers were
+    recorded at their records, retried ones (finish_reason "error", half an answer billed) at their usage.cost."""
+    failure = FailureRule(kind="finish_error", rate=1.0, attempts=1)
+    sim_cfg = SimConfig(seed=9, generation_cost_factor=1.5, failures=(failure,))
+    summary, provider = _run(tmp_path, tokenizer_dir, sim_cfg, mode, reconcile_cost=True)
+    assert summary["done"] == PROMPTS and summary["retries_by_reason"] == {"finish_error": PROMPTS}
+    totals = SpendLedger.load(tmp_path).totals()
+    assert totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(provider, abs=1e-12)
+
+
 def test_records_slower_than_one_lookup_are_still_the_bill(
     tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

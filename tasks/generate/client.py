@@ -110,16 +110,19 @@ class RetryableError(Exception):
         billed: float | None = 0.0,
         generation_id: str | None = None,
         sent: bool = True,
+        answer: GenerationResult | None = None,
     ) -> None:
         """`billed`: what this failed attempt cost, 0.0 when nothing was billed, None when unknown (pending: the
         budget charges the attempt's worst case until the provider's records settle it). `sent=False`: the
-        request never left the process (`unsent`, $0, no attempt used up)."""
+        request never left the process (`unsent`, $0, no attempt used up). `answer`: an answer that parsed but
+        is retried (a finish_reason "error", an empty answer); its cost is booked as a kept answer's is."""
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.billed = billed
         self.generation_id = generation_id
         self.sent = sent
+        self.answer = answer
 
     @property
     def outcome(self) -> Outcome:
@@ -692,9 +695,12 @@ class EndpointClient:
                 return SampleOutcome(None, exc.reason, str(exc), attempt, None, retries or [], cost)
             except RetryableError as exc:
                 outcome = exc.outcome
-                budget.settle(reserve, worst if outcome == "pending" else exc.billed or 0.0)
-                self._learn_prices(reserve, exc.billed, None)
-                self._ended(uid, outcome, exc.billed, exc.generation_id, exc.reason, worst)
+                if exc.answer is not None:
+                    await self._book_answer(uid, exc.answer, reserve, worst, exc.reason)
+                else:
+                    budget.settle(reserve, worst if outcome == "pending" else exc.billed or 0.0)
+                    self._learn_prices(reserve, exc.billed, None)
+                    self._ended(uid, outcome, exc.billed, exc.generation_id, exc.reason, worst)
                 cost += exc.billed or 0.0  # the row's known cost; the ledger counts a pending one at worst case
                 outage = exc.reason in OUTAGE_REASONS and await breaker.judge(
                     sent_at, self.successes != successes_before, trial, str(exc), exc.reason.startswith("http_")
@@ -731,33 +737,42 @@ class EndpointClient:
                     self._ended(uid, "pending", None, None, "cancelled", worst)
                 raise
             latency = time.perf_counter() - started
-            # /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of
-            # 404 retries per sample. Where it answers, it is what the ledger records: an answer without
-            # usage.cost is otherwise priced from the config's table, which is not the bill. An answer with no
-            # cost at all (its usage chunk cut off after the finish chunk) is kept, its cost pending.
-            paid = answer_cost(result)
-            gid = result.generation_id
-            if ep.kind == "openai_chat" and gid and not ep.reconcile_cost and result.cost_priced and ep.settle_pending:
-                if self._records != "no" and uid is not None:
-                    budget.settle(reserve, worst)
-                    self._ended(uid, "pending", None, gid, NO_USAGE_COST, worst, paid)
-                    self._bills[uid] = asyncio.create_task(self._bill_from_record(uid, gid, worst, paid or 0.0, result))
-                    cost += result.cost_usd or 0.0
-                    return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
-                self.priced_not_billed += 1
-            try:
-                if ep.reconcile_cost and ep.kind == "openai_chat" and gid:
-                    result.billed_cost_usd = await self.lookup_cost(gid)
-                    if result.billed_cost_usd is not None:
-                        paid = result.billed_cost_usd
-                    else:
-                        self.unreconciled += 1
-            finally:  # a cancelled lookup still leaves the answer recorded, at its reported cost
-                budget.settle(reserve, worst if paid is None else paid)
-                self._ended(uid, "pending" if paid is None else "answered", paid, gid, None, worst)
-            self._learn_prices(reserve, paid, result)
+            await self._book_answer(uid, result, reserve, worst, None)
             cost += result.cost_usd or 0.0  # the row's reported cost; billed_cost_usd beside it shows any drift
             return SampleOutcome(result, None, None, attempt, latency, retries or [], cost)
+
+    async def _book_answer(
+        self, uid: str | None, result: GenerationResult, reserve: float, worst: float, reason: str | None
+    ) -> None:
+        """Books what an answer cost, kept or retried (`reason`) alike: a retried answer booked at its configured
+        prices, or at a usage.cost that `reconcile_cost` would have checked, was the one place the ledger did
+        not follow the provider's record.
+
+        /generation is OpenRouter's billing record; SGLang has none, and probing it would cost ~15 s of 404
+        retries per sample. Where it answers, it is what the ledger records: an answer without usage.cost is
+        otherwise priced from the config's table, which is not the bill. An answer with no cost at all (its usage
+        chunk cut off after the finish chunk) is booked pending."""
+        ep, budget = self.cfg.endpoint, self.budget
+        paid = answer_cost(result)
+        gid = result.generation_id
+        if ep.kind == "openai_chat" and gid and not ep.reconcile_cost and result.cost_priced and ep.settle_pending:
+            if self._records != "no" and uid is not None:
+                budget.settle(reserve, worst)
+                self._ended(uid, "pending", None, gid, NO_USAGE_COST, worst, paid)
+                self._bills[uid] = asyncio.create_task(self._bill_from_record(uid, gid, worst, paid or 0.0, result))
+                return
+            self.priced_not_billed += 1
+        try:
+            if ep.reconcile_cost and ep.kind == "openai_chat" and gid:
+                result.billed_cost_usd = await self.lookup_cost(gid)
+                if result.billed_cost_usd is not None:
+                    paid = result.billed_cost_usd
+                else:
+                    self.unreconciled += 1
+        finally:  # a cancelled lookup still leaves the answer recorded, at its reported cost
+            budget.settle(reserve, worst if paid is None else paid)
+            self._ended(uid, "pending" if paid is None else "answered", paid, gid, reason, worst)
+        self._learn_prices(reserve, paid, result)
 
     async def _bill_from_record(
         self, uid: str, generation_id: str, worst: float, estimate: float, result: GenerationResult
@@ -1011,12 +1026,17 @@ class EndpointClient:
                 f"{len(result.content or '')} content chars (partial answer discarded)",
                 billed=billed,
                 generation_id=gid,
+                answer=result,
             )
         # `_blank(s)` is `not s.strip()` without copying the answer's text.
         no_reasoning = _blank(result.reasoning)
         if result.finish_reason != "length" and no_reasoning and _blank(result.content):
             raise RetryableError(
-                "empty_response", "answer has neither content nor reasoning", billed=billed, generation_id=gid
+                "empty_response",
+                "answer has neither content nor reasoning",
+                billed=billed,
+                generation_id=gid,
+                answer=result,
             )
         if self.cfg.endpoint.require_reasoning and no_reasoning:
             raise RetryableError(
@@ -1024,6 +1044,7 @@ class EndpointClient:
                 "answer has no reasoning (endpoint.require_reasoning)",
                 billed=billed,
                 generation_id=gid,
+                answer=result,
             )
 
     def _classify_status(
