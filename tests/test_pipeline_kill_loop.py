@@ -7,8 +7,8 @@ reported, not failed.
 
 After the final run: `status` says the stages agree (exit 0); every sample has exactly one row in responses,
 tokens and validation, and the hidden states hold exactly the samples validation let through; an answer durable
-at a kill is never bought again, and a hidden-states part finished before the last kill is not extracted again;
-the spend ledger is the simulator's bill (check_ledger_against_provider)."""
+at a kill is never bought again, and no part finished before the last kill (responses, tokens, validation,
+hidden states) is built again; the spend ledger is the simulator's bill (check_ledger_against_provider)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ RUN_TIMEOUT_S = 600.0
 POLL_S = 0.01
 EXTRACTED = ("pass", "warn")
 """The verdicts whose rows `extract` stores (a `fail` row is kept in validation and left out of hidden states)."""
+BUILT = ("responses", "tokens", "validation", "hidden_states")
+"""Stages whose parts finished before the last kill must be left as they are by the final run."""
 SIM = SimConfig(
     seed=11,
     noncanonical_rate=0.1,
@@ -59,6 +61,11 @@ def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
 def _prompt_parts(run_dir: Path) -> int:
     """The parts `prepare` wrote; -1 before it has, so that no stage's count can equal it."""
     return len(done_parts(run_dir, "prompts")) or -1
+
+
+def _markers(run_dir: Path, stage: str) -> dict[int, int]:
+    """Each finished part's marker and when it was written: a part built again writes its marker again."""
+    return {ref.part: ref.marker.stat().st_mtime_ns for ref in done_parts(run_dir, stage)}
 
 
 def _stage_rows(run_dir: Path, stage: str) -> Counter[str]:
@@ -108,7 +115,7 @@ def test_a_run_killed_in_every_stage_finishes_with_each_sample_once_in_each_stag
             time.sleep(0.3)  # the server bills what the dead client's sockets had already carried
             done = {sid: r["generation_id"] for sid, r in durable_rows(run_dir).items() if r["status"] == "done"}
             durable_at_kills.append((done, Counter(sim.stats()["by_key"])))
-        extracted = {ref.part: ref.marker.stat().st_mtime_ns for ref in done_parts(run_dir, "hidden_states")}
+        finished = {stage: _markers(run_dir, stage) for stage in BUILT}
         print(f"kill points the run passed before they were seen: {missed or 'none'}")
         assert len(missed) < len(points), "no kill landed: the run ended before each point was seen"
 
@@ -144,12 +151,9 @@ def test_a_run_killed_in_every_stage_finishes_with_each_sample_once_in_each_stag
         for ref in done_parts(run_dir, "responses")
         for row in read_part(ref).select(["sample_id", "generation_id"]).to_pylist()
     }
-    again = [
-        ref.part
-        for ref in done_parts(run_dir, "hidden_states")
-        if ref.part in extracted and ref.marker.stat().st_mtime_ns != extracted[ref.part]
-    ]
-    assert again == [], f"hidden-state parts finished before the last kill were extracted again: {again}"
+    for stage, markers in finished.items():
+        again = [part for part, stamp in _markers(run_dir, stage).items() if markers.get(part, stamp) != stamp]
+        assert again == [], f"{stage} parts finished before the last kill were built again: {again}"
     for n, (durable, requests) in enumerate(durable_at_kills):
         for sid, generation_id in durable.items():
             key = generation_id.split("-", 2)[2]
