@@ -37,6 +37,8 @@ from tests.prefect_cluster import deployed_cluster, start_in_background  # noqa:
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "flows" / "data"
+CLI_ENTRY = "import sys; from flows.cli import main; sys.exit(main(sys.argv[1:]))"
+"""`python -c CLI_ENTRY ARGS...` runs the CLI as the `eagle3-datagen` console script does, from any checkout."""
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,9 @@ import yaml
 
 from endpoint_sim.server import SimConfig, SimulatorServer
 from flows.exit_codes import EXIT_CODE_MEANINGS, ExitCode
-from tests.conftest import DEMO_DATA, REPO, run_main
+from tests.conftest import CLI_ENTRY, DEMO_DATA, REPO, run_main
 
 API_KEY = "sk-errors-test-4b1d-never-printed"
-ENTRY = "import sys; from flows.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +90,7 @@ def start_cli(*args: str, prefect_api: str | None = None, key: str = API_KEY) ->
     env.update(EAGLE3_TEST_KEY=key, PYTHONPATH=str(REPO), COLUMNS="200")
     if prefect_api:
         env["PREFECT_API_URL"] = prefect_api
-    cmd = [sys.executable, "-c", ENTRY, *args]
+    cmd = [sys.executable, "-c", CLI_ENTRY, *args]
     return subprocess.Popen(
         cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -26,9 +26,8 @@ from endpoint_sim.responder import FailureRule
 from endpoint_sim.server import SimulatorServer
 from tasks.common.config import load_config
 from tasks.common.shards import PartRef, done_parts, read_marker
-from tests.conftest import DEMO_DATA, REPO, run_main
+from tests.conftest import CLI_ENTRY, DEMO_DATA, REPO, run_main
 
-ENTRY = "import sys; from flows.cli import main; sys.exit(main(sys.argv[1:]))"
 DEADLINE_S = 120.0
 """Far below the default outage_abort_s (600 s), far above what the answer takes on a loaded machine."""
 
@@ -66,7 +65,7 @@ def _start(*args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PYTHONPATH=str(REPO), COLUMNS="200")
     return subprocess.Popen(
-        [sys.executable, "-c", ENTRY, *args],
+        [sys.executable, "-c", CLI_ENTRY, *args],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,

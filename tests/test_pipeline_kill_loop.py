@@ -27,10 +27,9 @@ import pytest
 from endpoint_sim.responder import FailureRule, SimConfig
 from endpoint_sim.server import SimulatorServer
 from tasks.common.shards import done_parts, read_part
-from tests.conftest import REPO
+from tests.conftest import CLI_ENTRY, REPO
 from tests.test_generate_money import billed, check_ledger_against_provider, durable_rows
 
-ENTRY = "import sys; from flows.cli import main; sys.exit(main(sys.argv[1:]))"
 RUN_TIMEOUT_S = 600.0
 POLL_S = 0.01
 EXTRACTED = ("pass", "warn")
@@ -54,7 +53,7 @@ def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env.update(PYTHONPATH=str(REPO), COLUMNS="200")
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-c", ENTRY, *argv], env=env, cwd=REPO, stdout=out, stderr=out, start_new_session=True
+            [sys.executable, "-c", CLI_ENTRY, *argv], env=env, cwd=REPO, stdout=out, stderr=out, start_new_session=True
         )
 
 
@@ -122,7 +121,7 @@ def test_a_run_killed_in_every_stage_finishes_with_each_sample_once_in_each_stag
         final = _start(argv, log)
         assert final.wait(timeout=RUN_TIMEOUT_S) == 0, log.read_text()[-3000:]
         status = subprocess.run(
-            [sys.executable, "-c", ENTRY, "status", str(run_dir)],
+            [sys.executable, "-c", CLI_ENTRY, "status", str(run_dir)],
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)},
             capture_output=True,
