@@ -33,7 +33,7 @@ from tests.test_generate_money import billed, check_ledger_against_provider, dur
 RUN_TIMEOUT_S = 600.0
 POLL_S = 0.01
 EXTRACTED = ("pass", "warn")
-"""The verdicts whose rows `extract` stores (a `fail` row is kept in validation and left out of hidden states)."""
+"""The verdicts whose rows `extract` stores (`fail` and `drop` rows stay in validation, out of hidden states)."""
 BUILT = ("responses", "tokens", "validation", "hidden_states")
 """Stages whose parts finished before the last kill must be left as they are by the final run."""
 SIM = SimConfig(
@@ -67,8 +67,9 @@ def _markers(run_dir: Path, stage: str) -> dict[int, int]:
     return {ref.part: ref.marker.stat().st_mtime_ns for ref in done_parts(run_dir, stage)}
 
 
-def _stage_rows(run_dir: Path, stage: str) -> Counter[str]:
-    return Counter(s for ref in done_parts(run_dir, stage) for s in read_part(ref).column("sample_id").to_pylist())
+def _rows(run_dir: Path, stage: str, *columns: str) -> list[dict[str, object]]:
+    """Every finished part's rows of a stage: its sample ids and `columns`, nothing else read."""
+    return [row for ref in done_parts(run_dir, stage) for row in read_part(ref, ["sample_id", *columns]).to_pylist()]
 
 
 @pytest.mark.slow  # four Prefect runs killed and one to the end: about 100 s on 2 cores
@@ -132,24 +133,22 @@ def test_a_run_killed_in_every_stage_finishes_with_each_sample_once_in_each_stag
         check_ledger_against_provider(run_dir, sim)
         requests_at_end = Counter(sim.stats()["by_key"])
 
-    prompts = _stage_rows(run_dir, "prompts")
-    stages = {stage: _stage_rows(run_dir, stage) for stage in ("responses", "tokens", "validation")}
-    for stage, rows in stages.items():
-        assert set(rows) == set(prompts), f"{stage} does not hold every prepared sample"
-        assert set(rows.values()) == {1}, f"{stage} holds a sample twice: {[s for s, n in rows.items() if n > 1]}"
-    verdicts = {
-        row["sample_id"]: row["verdict"]
-        for ref in done_parts(run_dir, "validation")
-        for row in read_part(ref).select(["sample_id", "verdict"]).to_pylist()
+    rows = {
+        "prompts": _rows(run_dir, "prompts"),
+        "responses": _rows(run_dir, "responses", "generation_id"),
+        "tokens": _rows(run_dir, "tokens"),
+        "validation": _rows(run_dir, "validation", "verdict"),
+        "hidden_states": _rows(run_dir, "hidden_states"),
     }
-    hidden = _stage_rows(run_dir, "hidden_states")
-    assert set(hidden.values()) == {1}
-    assert set(hidden) == {s for s, v in verdicts.items() if v in EXTRACTED}
-    final_ids = {
-        row["sample_id"]: row["generation_id"]
-        for ref in done_parts(run_dir, "responses")
-        for row in read_part(ref).select(["sample_id", "generation_id"]).to_pylist()
-    }
+    counts = {stage: Counter(row["sample_id"] for row in stage_rows) for stage, stage_rows in rows.items()}
+    for stage in ("responses", "tokens", "validation"):
+        assert set(counts[stage]) == set(counts["prompts"]), f"{stage} does not hold every prepared sample"
+        twice = [s for s, n in counts[stage].items() if n > 1]
+        assert twice == [], f"{stage} holds a sample twice: {twice}"
+    verdicts = {row["sample_id"]: row["verdict"] for row in rows["validation"]}
+    assert set(counts["hidden_states"].values()) == {1}
+    assert set(counts["hidden_states"]) == {s for s, v in verdicts.items() if v in EXTRACTED}
+    final_ids = {row["sample_id"]: row["generation_id"] for row in rows["responses"]}
     for stage, markers in finished.items():
         again = [part for part, stamp in _markers(run_dir, stage).items() if markers.get(part, stamp) != stamp]
         assert again == [], f"{stage} parts finished before the last kill were built again: {again}"
