@@ -130,23 +130,119 @@ def test_a_rerun_with_nothing_left_to_send_settles_what_a_killed_run_left_pendin
 def test_a_key_whose_usage_is_behind_the_ledger_says_why_the_run_waits(
     tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A key reading less than the run directory's answers known billed (a rotated key, a restarted local
-    endpoint) held generate silent for `account_settle_wait_s` (120 s by default) and its reason reached only
+    """A key whose usage lags what the run directory's answers are known billed (OpenRouter's usage catches up
+    late) held generate silent for `account_settle_wait_s` (120 s by default) and its reason reached only
     run_summary.json on the worker (a UI probe). The wait and its outcome are run events: a log line each."""
     data = tmp_path / "prompts.jsonl"
     write_dataset(data, 8, "behind")
-    with SimulatorServer(tokenizer_dir, SimConfig(seed=4)) as sim:
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=4, account_usage_lag_s=600.0)) as sim:
         config = settle_cfg(tmp_path, sim, tokenizer_dir, data, account_settlement="exclusive_key")
         first = run_main(capsys, "generate", str(config), "--no-progress")
-    write_dataset(data, 12, "behind")
-    with SimulatorServer(tokenizer_dir, SimConfig(seed=4)) as fresh:  # a new key: its usage starts at $0
+        write_dataset(data, 12, "behind")
         config = settle_cfg(
-            tmp_path, fresh, tokenizer_dir, data, account_settlement="exclusive_key", account_settle_wait_s=1.0
+            tmp_path, sim, tokenizer_dir, data, account_settlement="exclusive_key", account_settle_wait_s=1.0
         )
         second = run_main(capsys, "generate", str(config), "--no-progress")
     assert first.returncode == 0 and second.returncode == 0, second.stderr
     assert "key's account at" in second.stderr and "waiting up to 1 s (endpoint.account_settle_wait_s)" in second.stderr
     assert "did not settle within endpoint.account_settle_wait_s=1 s (behind the answers known billed)" in second.stderr
+    assert "starts a new baseline" not in second.stderr
+
+
+def test_a_rotated_key_starts_a_new_account_baseline_instead_of_waiting_for_the_old_keys_total(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run directory whose API key was rotated between runs: the new key's usage never reaches the old key's
+    total plus everything billed since, so every later run waited `account_settle_wait_s` (120 s by default)
+    before sending anything, and the key's account settled nothing again (126 s per run where 11 s do now).
+    Each reading now records which key took it; a reading of another key is a new baseline, said once, and the
+    runs after it read the new key as they read the old one."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 8, "rotated")
+    monkeypatch.setenv("EAGLE3_ROTATED_KEY", "sk-or-v1-old")
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=4, required_api_key="sk-or-v1-old")) as old:
+        config = settle_cfg(
+            tmp_path, old, tokenizer_dir, data, account_settlement="exclusive_key", api_key_env="EAGLE3_ROTATED_KEY"
+        )
+        first = run_main(capsys, "generate", str(config), "--no-progress")
+        old_bill = old.billing()["total_usd"]
+    monkeypatch.setenv("EAGLE3_ROTATED_KEY", "sk-or-v1-new")
+    runs = []
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=5, required_api_key="sk-or-v1-new")) as new:
+        for count in (12, 16):
+            write_dataset(data, count, "rotated")
+            config = settle_cfg(
+                tmp_path, new, tokenizer_dir, data, account_settlement="exclusive_key", api_key_env="EAGLE3_ROTATED_KEY"
+            )
+            runs.append(run_main(capsys, "generate", str(config), "--no-progress"))
+        new_bill = new.billing()["total_usd"]
+    assert first.returncode == 0, first.stderr
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        assert "waiting up to" not in run.stderr and "did not settle" not in run.stderr, run.stderr
+    assert "the key's account is not the one read before" in runs[0].stderr
+    assert "starts a new baseline" in runs[0].stderr
+    assert "not the one read before" not in runs[1].stderr, "the new key read twice is one account"
+    ledger = SpendLedger.load(tmp_path / "run")
+    readings = sorted(ledger.accounts, key=lambda s: s.t)
+    assert all(r.stable for r in readings)
+    keys = [r.key for r in readings]
+    assert keys[0] == settlement.key_fingerprint("sk-or-v1-old") and keys[-1] == settlement.key_fingerprint(
+        "sk-or-v1-new"
+    )
+    assert len(set(keys)) == 2 and new_bill > 0
+    totals = ledger.totals()
+    assert totals.pending_attempts == 0
+    assert totals.counted_usd == pytest.approx(old_bill + new_bill, abs=1e-9)
+    for where in (tmp_path / "run").rglob("*"):
+        if where.is_file():
+            assert b"sk-or-v1-" not in where.read_bytes(), where
+
+
+def test_an_account_window_across_two_keys_settles_nothing(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A killed run left a request pending after its key's last reading; the rerun reads another key (rotated),
+    whose usage from its earlier use happens to exceed the old reading by less than that request's worst case.
+    Settled from the difference, the request was booked at what the new key had spent elsewhere. Across two keys
+    nothing is settled: the request stays at worst case, and the report says why."""
+    long_ago = time.time() - 200.0
+    old_key = settlement.key_fingerprint("sk-or-v1-old")
+    with SimulatorServer(tokenizer_dir, SimConfig(seed=8, required_api_key="sk-or-v1-new")) as sim:
+        body = {"model": "m", "messages": [{"role": "user", "content": "the new key's use elsewhere"}]}
+        headers = {"Authorization": "Bearer sk-or-v1-new"}
+        elsewhere = httpx.post(f"{sim.base_url}/v1/chat/completions", json=body, headers=headers, timeout=30).json()
+        segment(
+            tmp_path,
+            "001",
+            [
+                {**acct("start", 0.0, long_ago - 1.0), "key": old_key},
+                sent("cut", 0.05, t=long_ago),
+            ],
+        )
+        cfg = account_cfg(tmp_path, sim, tokenizer_dir, api_key="sk-or-v1-new", settle_pending=False)
+        summary = generate_parts(cfg, [], MARKERS).total()
+    assert 0 < elsewhere["usage"]["cost"] < 0.05, "the difference must fit the pending worst case to be tempting"
+    ledger = SpendLedger.load(tmp_path)
+    assert ledger.attempts["cut"].state == "pending"
+    assert any("two different keys" in p for p in summary["settlement"]["problems"]), summary["settlement"]
+
+
+def test_readings_without_a_key_whose_usage_went_down_bound_no_window(tmp_path: Path) -> None:
+    """Segments written before readings named their key: a usage that went down is another key's (no key's usage
+    ever does), so the window between them settles nothing; one that went up still settles as before."""
+    segment(
+        tmp_path,
+        "001",
+        [
+            acct("start", 1.0, 100.0),
+            sent("down", 0.05, t=101.0),
+            acct("end", 0.25, 102.0),
+            sent("up", 0.05, t=103.0),
+            acct("end", 0.27, 104.0),
+        ],
+    )
+    settled, problems = settlement.account_settlements(SpendLedger.load(tmp_path))
+    assert settled == [("up", pytest.approx(0.02))]
+    assert len(problems) == 1 and "1 pending attempt sent between account readings of two different keys" in problems[0]
 
 
 @pytest.mark.parametrize("account_settlement", ["exclusive_key", "off"])

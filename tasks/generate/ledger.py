@@ -143,7 +143,8 @@ class SpendTotals:
 @dataclass(frozen=True)
 class AccountSnapshot:
     """The key's usage as the provider reported it. `stable`: read when nothing was in flight and the usage had
-    stopped moving and covered every answer billed before it; only such snapshots bound a settlement window."""
+    stopped moving and covered every answer billed before it; only such snapshots bound a settlement window.
+    `key`: which API key read it (`settlement.key_fingerprint`); None in segments written before it was kept."""
 
     at: str
     usage_usd: float
@@ -151,6 +152,7 @@ class AccountSnapshot:
     t: float
     host: str
     stable: bool
+    key: str | None = None
 
 
 @dataclass
@@ -190,7 +192,13 @@ class SpendLedger:
         if kind == "acct":
             self.accounts.append(
                 AccountSnapshot(
-                    rec["at"], rec["usage"], rec.get("limit_remaining"), rec["t"], rec.get("host", ""), rec["stable"]
+                    rec["at"],
+                    rec["usage"],
+                    rec.get("limit_remaining"),
+                    rec["t"],
+                    rec.get("host", ""),
+                    rec["stable"],
+                    rec.get("key"),
                 )
             )
             return True
@@ -296,7 +304,12 @@ class LedgerWriter:
         return rec
 
     def account(
-        self, at: Literal["start", "end"], usage_usd: float, limit_remaining_usd: float | None, stable: bool
+        self,
+        at: Literal["start", "end"],
+        usage_usd: float,
+        limit_remaining_usd: float | None,
+        stable: bool,
+        key: str | None = None,
     ) -> dict[str, Any]:
         rec = {
             "k": "acct",
@@ -306,6 +319,7 @@ class LedgerWriter:
             "t": time.time(),
             "host": socket.gethostname(),
             "stable": stable,
+            "key": key,
         }
         self.log.submit(rec)
         return rec

@@ -14,12 +14,17 @@ left) and at its end (once nothing is in flight):
    (their total is exact, each attempt's share is not). A window whose difference is negative or above its
    pending worst case says the key was not this run directory's alone: nothing is settled there. With a
    shared key (`off`) pending attempts stay at worst case, and their amount is printed.
+   Each reading records which key took it (a fingerprint, `key_fingerprint`): a window between readings of two
+   keys (the key was rotated between runs), or one whose usage went down (no key's usage ever does), measures no
+   one key's charges, so nothing is settled across it, and a reading of a new key starts a new baseline instead
+   of waiting for the old key's total.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +34,7 @@ import aiohttp
 
 from tasks.common.config import PipelineConfig
 from tasks.generate.health import UPSTREAM_TIMEOUT_STATUS
-from tasks.generate.ledger import NO_USAGE_COST, Attempt, LedgerWriter, SettledBy, SpendLedger
+from tasks.generate.ledger import NO_USAGE_COST, AccountSnapshot, Attempt, LedgerWriter, SettledBy, SpendLedger
 from tasks.generate.progress import RunEvent, RunEventKind, emit_event, format_usd, plural
 
 if TYPE_CHECKING:
@@ -56,6 +61,23 @@ def key_url(cfg: PipelineConfig) -> str:
     """OpenRouter's current-key record: GET {base}/v1/key (base .../api for OpenRouter)."""
     base = cfg.endpoint.base_url.removesuffix("/v1")
     return f"{base}/v1/key"
+
+
+def key_fingerprint(api_key: str | None) -> str:
+    """Which API key took an account reading, without the key: 16 hex digits of a domain-separated SHA-256 (the
+    key itself never reaches the ledger). A run directory whose key was rotated between runs had every later run
+    wait `account_settle_wait_s` for the new key's usage to reach the old key's total, which it never does."""
+    digest = hashlib.sha256(b"eagle3-datagen account key\0" + (api_key or "").encode()).hexdigest()
+    return digest[:16]
+
+
+def same_account(before: AccountSnapshot, key: str | None, usage_usd: float) -> bool:
+    """Whether a reading of `usage_usd` by `key` continues the account `before` was read from: the same key (when
+    both readings name one) and a usage that did not go down (a key's usage never does; a lower one is another
+    key's, which also catches readings from before keys were recorded)."""
+    if before.key is not None and key is not None and before.key != key:
+        return False
+    return usage_usd >= before.usage_usd - ACCOUNT_TOLERANCE_USD
 
 
 @dataclass(frozen=True)
@@ -119,6 +141,13 @@ def account_settlements(
         pending = [(uid, a) for uid, a in members if a.state == "pending"]
         if last is None:
             problems.append(_awaiting_records(pending, request_timeout_s))
+            continue
+        if not all(same_account(snaps[j - 1], snaps[j].key, snaps[j].usage_usd) for j in range(first, last + 1)):
+            problems.append(
+                f"{plural(len(pending), 'pending attempt')} sent between account readings of two different keys "
+                "(the API key changed, or its usage went down): no one key's usage measures them, so they stay "
+                "at worst case unless their generation records settle them"
+            )
             continue
         settled, problem = _settle_window(snaps[first - 1].usage_usd, snaps[last].usage_usd, members, pending)
         out.extend(settled)
@@ -207,6 +236,8 @@ class Settler:
         self._account_started = False
         self._not_found: set[str] = set()
         self._window_problems: list[str] = []
+        self.key_fp = key_fingerprint(cfg.endpoint.resolved_api_key())
+        self._new_key_told = False
 
     def count_from_here(self) -> None:
         """The settled_* counters start over: what was settled before the run's budget is in its prior totals."""
@@ -360,10 +391,7 @@ class Settler:
         `account_settle_wait_s` passes; record the reading (stable or not). False when the key cannot be read."""
         ep = self.cfg.endpoint
         stable_snaps = self.ledger.stable_accounts()
-        expected = None
-        if stable_snaps:
-            last = stable_snaps[-1]
-            expected = last.usage_usd + billed_since(self.ledger, last.t)
+        last = stable_snaps[-1] if stable_snaps else None
         deadline = time.monotonic() + ep.account_settle_wait_s
         last_usage: float | None = None
         changed_at = time.monotonic()
@@ -376,6 +404,7 @@ class Settler:
             now = time.monotonic()
             if reading.usage_usd != last_usage:
                 last_usage, changed_at = reading.usage_usd, now
+            expected = self._expected_usage(last, reading.usage_usd)
             covers = expected is None or reading.usage_usd >= expected - ACCOUNT_TOLERANCE_USD
             stable = covers and now - changed_at >= ep.account_settle_stable_s
             if stable or now >= deadline:
@@ -397,8 +426,26 @@ class Settler:
             )
             self.report.problems.append(problem)
             self._event(problem, "account_wait")
-        self.ledger.apply(self.writer.account(at, reading.usage_usd, reading.limit_remaining_usd, stable))
+        self.ledger.apply(self.writer.account(at, reading.usage_usd, reading.limit_remaining_usd, stable, self.key_fp))
         return True
+
+    def _expected_usage(self, last: AccountSnapshot | None, usage_usd: float) -> float | None:
+        """What the key's usage must reach before a reading is stable: the last stable reading plus every answer
+        known billed since. None (a new baseline) when there is none, or when this reading is another key's
+        (rotated between runs; said once)."""
+        if last is None:
+            return None
+        if same_account(last, self.key_fp, usage_usd):
+            return last.usage_usd + billed_since(self.ledger, last.t)
+        if not self._new_key_told:
+            self._new_key_told = True
+            self._event(
+                f"the key's account is not the one read before ({format_usd(last.usage_usd)} at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(last.t))}, now {format_usd(usage_usd)}: "
+                "another API key, or its usage went down): its usage starts a new baseline",
+                "account_wait",
+            )
+        return None
 
     async def _read_key(self) -> KeyReading | str:
         session = self.client.session
