@@ -392,6 +392,7 @@ class Settler:
         ep = self.cfg.endpoint
         stable_snaps = self.ledger.stable_accounts()
         last = stable_snaps[-1] if stable_snaps else None
+        known_since = billed_since(self.ledger, last.t) if last else 0.0
         deadline = time.monotonic() + ep.account_settle_wait_s
         last_usage: float | None = None
         changed_at = time.monotonic()
@@ -404,7 +405,7 @@ class Settler:
             now = time.monotonic()
             if reading.usage_usd != last_usage:
                 last_usage, changed_at = reading.usage_usd, now
-            expected = self._expected_usage(last, reading.usage_usd)
+            expected = self._expected_usage(last, known_since, reading.usage_usd)
             covers = expected is None or reading.usage_usd >= expected - ACCOUNT_TOLERANCE_USD
             stable = covers and now - changed_at >= ep.account_settle_stable_s
             if stable or now >= deadline:
@@ -429,14 +430,14 @@ class Settler:
         self.ledger.apply(self.writer.account(at, reading.usage_usd, reading.limit_remaining_usd, stable, self.key_fp))
         return True
 
-    def _expected_usage(self, last: AccountSnapshot | None, usage_usd: float) -> float | None:
+    def _expected_usage(self, last: AccountSnapshot | None, known_since: float, usage_usd: float) -> float | None:
         """What the key's usage must reach before a reading is stable: the last stable reading plus every answer
-        known billed since. None (a new baseline) when there is none, or when this reading is another key's
-        (rotated between runs; said once)."""
+        known billed since (`known_since`). None (a new baseline) when there is none, or when this reading is
+        another key's (rotated between runs; said once)."""
         if last is None:
             return None
         if same_account(last, self.key_fp, usage_usd):
-            return last.usage_usd + billed_since(self.ledger, last.t)
+            return last.usage_usd + known_since
         if not self._new_key_told:
             self._new_key_told = True
             self._event(
