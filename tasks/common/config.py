@@ -225,6 +225,13 @@ class EndpointConfig(StrictModel):
         description="Journaled answers and spend records are fsynced at least this often (what a machine crash can "
         "lose); they reach the kernel every 20 ms, so a kill -9 loses only what was in flight or just received.",
     )
+    disk_reserve_mib: float | None = Field(
+        default=None,
+        ge=0,
+        description="Space generate claims in the run directory when it starts and frees when the disk fills, so "
+        "the answers in flight then (already billed) are journaled, not lost: it stops sending, keeps them and "
+        "exits 2. Unset: max_in_flight x min(sampling.max_tokens, 16384) x 16 bytes, within 16-1024 MiB; 0: none.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -66,3 +66,7 @@ class EndpointUnavailableError(ConnectionError):
     generate stage raises it only after waiting `outage_abort_s`, so Prefect does not retry it
     (`flows.retry_policy`); a rerun resumes.
     """
+
+
+class DiskFullError(InsufficientSpaceError):
+    """The run directory's disk filled during generate: it stopped sending and kept the answers in flight."""

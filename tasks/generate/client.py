@@ -46,6 +46,7 @@ from tasks.common.config import PipelineConfig
 from tasks.common.errors import FatalEndpointError
 from tasks.common.messages import Message
 from tasks.generate.breaker import CircuitBreaker, OutageEvent
+from tasks.generate.disk_guard import DiskGuard
 from tasks.generate.endpoints import (
     CompletionMarkers,
     EndpointRequest,
@@ -179,6 +180,10 @@ class BudgetExhausted(Exception):
     """No request may start: its worst-case cost would cross `max_cost_usd`."""
 
 
+class SendingHalted(Exception):
+    """No request may start: the run directory's disk is full (`disk_guard`); the request was not sent."""
+
+
 class AttemptTag(NamedTuple):
     """Which sample an attempt belongs to, for its spend ledger records. A tuple of atoms, so the garbage
     collector stops tracking it: thousands are alive at once, one per sample waiting or in flight."""
@@ -201,6 +206,8 @@ class SampleOutcome:
     retry_reasons: list[str] = field(default_factory=list)
     cost_usd: float = 0.0
     budget_stopped: bool = False
+    halted: bool = False
+    """Not sent because the disk filled: no row, so the sample stays pending for a rerun."""
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -518,6 +525,8 @@ class EndpointClient:
         self._key = ep.resolved_api_key()
         self._session: aiohttp.ClientSession | None = None
         self._fatal: FatalEndpointError | None = None
+        self.disk: DiskGuard | None = None
+        """Set by the engine: once its disk is full, no request starts."""
         self._last_success = time.monotonic()
         self.breaker = CircuitBreaker(
             self._probe_once,
@@ -720,6 +729,11 @@ class EndpointClient:
                     delay = exc.retry_after_s + self.rng.uniform(0.0, min(ep.backoff_base_s, ep.backoff_max_s))
                 await asyncio.sleep(delay)
                 continue
+            except SendingHalted as exc:
+                budget.settle(reserve, 0.0)
+                attempt -= 1
+                message = f"not sent: {exc}"
+                return SampleOutcome(None, "disk_full", message, attempt, None, retries or [], cost, halted=True)
             except FatalEndpointError:
                 budget.settle(reserve, 0.0)
                 if sent:  # the endpoint answered 401/403/404/402: nothing is billed for a refusal
@@ -866,15 +880,22 @@ class EndpointClient:
                 self.breaker.release_trial()
             raise FatalEndpointError(str(self._fatal))
         uid = None
-        if self.ledger is not None and tag is not None:
-            try:
+        try:
+            if self.disk is not None and self.disk.full:
+                raise SendingHalted(str(self.disk.error))
+            if self.ledger is not None and tag is not None:
                 timeout_s = self.cfg.endpoint.request_timeout_s
-                uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, worst_usd, timeout_s)
-            except BaseException:
-                self.window.release()
-                if trial:
-                    self.breaker.release_trial()
-                raise
+                try:
+                    uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, worst_usd, timeout_s)
+                except OSError as exc:
+                    if self.disk is not None and self.disk.filled(exc):
+                        raise SendingHalted(str(exc)) from exc
+                    raise
+        except BaseException:
+            self.window.release()
+            if trial:
+                self.breaker.release_trial()
+            raise
         self.requests_sent += 1
         return uid
 

@@ -36,7 +36,7 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig
-from tasks.common.errors import EndpointUnavailableError, FatalEndpointError
+from tasks.common.errors import DiskFullError, EndpointUnavailableError, FatalEndpointError
 from tasks.common.failures import failure_class
 from tasks.common.messages import prompt_messages
 from tasks.common.schemas import RESPONSES
@@ -63,6 +63,7 @@ from tasks.generate.chunks import (
 )
 from tasks.generate.client import LOOKUP_DELAYS_S, AttemptTag, Budget, EndpointClient, SampleOutcome
 from tasks.generate.collector import tuned_collector
+from tasks.generate.disk_guard import DiskGuard, reserve_bytes
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
 from tasks.generate.heap_trim import trimmed_heap
 from tasks.generate.journal import AppendLog
@@ -397,11 +398,33 @@ class _Run:
         self.unexpected_reasoning = UnexpectedReasoning(
             bool(client.markers.reasoning_close), cfg.tokenizer.completion_format_name
         )
+        self.kept_after_full = 0
+        self._told_disk_full = False
+        """Rows recorded after the disk filled: answers that were in flight then, journaled into the reserve."""
+
+    @property
+    def disk_full(self) -> bool:
+        return self.client.disk is not None and self.client.disk.full
+
+    def tell_disk_full(self) -> None:
+        """Once, when the engine first sees the disk full: what it does about it."""
+        if self._told_disk_full or not self.disk_full:
+            return
+        self._told_disk_full = True
+        emit_event(
+            RunEvent(
+                "disk_full",
+                f"the disk holding {self.cfg.run_dir} filled ({self.client.disk.error if self.client.disk else ''}): "
+                f"no new request is sent; the {self.client.window.in_flight} in flight are awaited and journaled "
+                "into the space generate reserved at its start, then the run stops (exit 2)",
+                time.monotonic() - self.started,
+            )
+        )
 
     def work(self) -> Iterator[tuple[_PartState, _WorkItem]]:
         for state in self.states:
             for item in state.todo:
-                if self.client.budget.stopped:
+                if self.client.budget.stopped or self.disk_full:
                     return
                 yield state, item
 
@@ -468,10 +491,10 @@ class _Run:
         return _Answer(outcome, seed, [dict(t) for t in turns])
 
     def row_of(self, item: _WorkItem, answer: _Answer) -> dict[str, Any] | None:
-        """The sample's responses row; None for a request the budget stopped before sending (no row, so the
-        sample stays pending and a rerun sends it)."""
+        """The sample's responses row; None for a request the budget or a full disk stopped before sending (no
+        row, so the sample stays pending and a rerun sends it)."""
         outcome = answer.outcome
-        if outcome.budget_stopped and outcome.attempts == 0:
+        if outcome.halted or (outcome.budget_stopped and outcome.attempts == 0):
             return None
         row = _empty_row(item.sample_id, item.dataset)
         row.update(attempts=outcome.attempts, latency_s=outcome.latency_s, request_seed=answer.seed)
@@ -521,6 +544,7 @@ class _Run:
         state.outstanding -= 1
         self.complete_parts += state.outstanding == 0
         self.uncommitted += 1
+        self.kept_after_full += self.disk_full
         if result is not None:
             self.unexpected_reasoning.see(result.reasoning)  # raises once the row above is recorded
 
@@ -563,29 +587,38 @@ class _Run:
         )
 
     def commit_due(self) -> bool:
-        if self.uncommitted == 0:
+        if self.uncommitted == 0 or self.disk_full:
             return False
         ep = self.cfg.endpoint
         return self.uncommitted >= ep.commit_every_samples or time.monotonic() - self.last_commit >= ep.commit_every_s
 
     def seconds_to_commit(self) -> float | None:
         """How long to wait for results before a time-based commit; None when there is nothing to commit."""
-        if self.uncommitted == 0:
+        if self.uncommitted == 0 or self.disk_full:
             return None
         return max(0.0, self.last_commit + self.cfg.endpoint.commit_every_s - time.monotonic())
 
     async def commit(self) -> None:
-        """Finalize complete parts, write the other buffers as chunks; file I/O runs off the event loop."""
+        """Finalize complete parts, write the other buffers as chunks; file I/O runs off the event loop. A
+        disk that fills here is the run's `DiskGuard`'s to handle (rows stay buffered, and journaled)."""
+        if self.disk_full:
+            return
         async with self._write_lock:
-            for state in self.states:
-                if state.finalized:
-                    continue
-                if state.outstanding == 0:
-                    await asyncio.to_thread(_finalize, state, self.provenance)
-                    self.complete_parts -= 1
-                elif state.buffer:
-                    rows, state.buffer = state.buffer, []
-                    await asyncio.to_thread(_write_chunk, state, rows, self.provenance)
+            try:
+                for state in self.states:
+                    if state.finalized:
+                        continue
+                    if state.outstanding == 0:
+                        await asyncio.to_thread(_finalize, state, self.provenance)
+                        self.complete_parts -= 1
+                    elif state.buffer:
+                        rows = state.buffer
+                        await asyncio.to_thread(_write_chunk, state, rows, self.provenance)
+                        del state.buffer[: len(rows)]
+            except OSError as exc:
+                if self.client.disk is None or not self.client.disk.filled(exc):
+                    raise
+                return
             self.uncommitted = 0
             self.last_commit = time.monotonic()
             if self.listener is not None:
@@ -593,6 +626,8 @@ class _Run:
 
     def commit_now(self) -> None:
         """Synchronous commit for the failure path, where awaiting is no longer safe."""
+        if self.disk_full:
+            return
         for state in self.states:
             if state.finalized:
                 continue
@@ -600,9 +635,35 @@ class _Run:
                 _finalize(state, self.provenance)
                 self.complete_parts -= 1
             elif state.buffer:
-                rows, state.buffer = state.buffer, []
-                _write_chunk(state, rows, self.provenance)
+                _write_chunk(state, state.buffer, self.provenance)
+                state.buffer = []
         self.uncommitted = 0
+
+    async def disk_full_error(self) -> DiskFullError:
+        """Once the answers in flight have arrived: wait for their journal records (and spend records) to be
+        written, up to `endpoint.outage_abort_s` while the disk has no room even after the reserve, then say what
+        was kept."""
+        guard = self.client.disk
+        assert guard is not None
+        logs = [log for log in (self.journal, self.ledger.log if self.ledger else None) if log is not None]
+        deadline = time.monotonic() + self.cfg.endpoint.outage_abort_s
+        told = False
+        while any(log.unwritten for log in logs) and time.monotonic() < deadline:
+            if not told:
+                held = self.journal.unwritten if self.journal else 0
+                emit_event(
+                    RunEvent(
+                        "disk_full",
+                        f"the disk holding {self.cfg.run_dir} is full even with generate's reserve freed: {held} "
+                        f"answers are held in memory until there is room to journal them (up to "
+                        f"{self.cfg.endpoint.outage_abort_s:g} s, endpoint.outage_abort_s); free space now",
+                        time.monotonic() - self.started,
+                    )
+                )
+                told = True
+            await asyncio.sleep(0.5)
+        lost = self.journal.unwritten if self.journal else 0
+        return DiskFullError(_disk_full_line(self.cfg.run_dir, guard, self.kept_after_full, lost))
 
 
 def budget_stop_message(
@@ -682,6 +743,25 @@ def _length_error(result: GenerationResult, max_tokens: int, hint: str = FINAL_A
     )
 
 
+def _disk_full_line(run_dir: Path, guard: DiskGuard, kept: int, lost: int) -> str:
+    """The one line of a run the disk stopped: what filled, what was kept, what to do."""
+    try:
+        free = f"{shutil.disk_usage(run_dir).free / 1024**2:.1f} MiB free now"
+    except OSError:
+        free = "free space unknown"
+    reserve = f"{guard.size_bytes / 1024**2:g} MiB" if guard.size_bytes else "no"
+    kept_line = (
+        f"the {kept} answers that arrived after it filled (requests already sent, so billed) are kept in the "
+        f"journal ({reserve} reserved at the start, endpoint.disk_reserve_mib, were freed for them)"
+    )
+    if lost:
+        kept_line += f", {lost} of them could not be written and are lost (their cost is in the spend ledger)"
+    return (
+        f"the disk holding {run_dir} filled ({free}; {guard.error}): generate stopped sending new requests and "
+        f"{kept_line}; free space and rerun: samples already answered are not sent again"
+    )
+
+
 def stop_reason(failure: BaseException) -> str:
     """Why a generate run ended before its samples did, as its final progress snapshot says it. Anything not an
     `Exception` is the run being stopped from outside: the CancelledError `asyncio.run` hands the coroutine when
@@ -693,6 +773,8 @@ def stop_reason(failure: BaseException) -> str:
         return "aborted: the endpoint did not answer for endpoint.outage_abort_s (a rerun resumes)"
     if isinstance(failure, FatalEndpointError):
         return "the endpoint refused the run"
+    if isinstance(failure, DiskFullError):
+        return "the disk is full (a rerun resumes once there is room)"
     return f"failed ({type(failure).__name__})"
 
 
@@ -726,10 +808,12 @@ async def _generate_async(
     ledger: LedgerWriter,
     spend: SpendLedger,
     listener: CommitListener | None = None,
+    disk: DiskGuard | None = None,
 ) -> _Run:
     """Settle what earlier runs left pending, send every state's work through one window, settle this run's."""
     window = 2 * cfg.endpoint.max_in_flight
     async with EndpointClient(cfg, markers, tokenizer, ledger=ledger) as client:
+        client.disk = disk
         settler = Settler(cfg, client, ledger, spend)
         sending = any(s.todo for s in states)
         await settler.before_run(sending=sending)
@@ -788,7 +872,10 @@ async def _generate_async(
                     raise error
                 if run.commit_due() or run.complete_parts:
                     await run.commit()
+                run.tell_disk_full()
             await run.commit()
+            if run.disk_full:
+                raise await run.disk_full_error()
             await settler.after_run(cfg.run_dir)
             if client.unreconciled:
                 emit_event(
@@ -950,19 +1037,26 @@ def _generate_locked(
     if pending or _has_settleable(cfg, ledger):
         if pending and (ep.kind == "sglang_generate" or ep.logprobs or ep.return_token_ids) and tokenizer is None:
             tokenizer = load_tokenizer(cfg.tokenizer)
-        writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s)
+        disk = DiskGuard(cfg.run_dir, reserve_bytes(cfg) if pending else 0)
+        disk.claim()
+        writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s, disk.filled)
         journal = None
         if pending:
-            journal = AppendLog(journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s)
+            journal = AppendLog(
+                journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s, disk.filled
+            )
         try:
             with tuned_collector(), trimmed_heap():
                 run = _run_blocking(
-                    _generate_async(cfg, pending, markers, tokenizer, listeners, journal, writer, ledger, on_commit)
+                    _generate_async(
+                        cfg, pending, markers, tokenizer, listeners, journal, writer, ledger, on_commit, disk
+                    )
                 )
         finally:
             if journal is not None:
                 journal.close()
             writer.close()
+            disk.close()
             if on_commit is not None:
                 on_commit.closed()
             if journal is not None and all(not s.buffer for s in pending):  # every row is in a chunk or a part

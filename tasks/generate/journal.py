@@ -14,6 +14,12 @@ Two ways in, for two durability needs:
   `group_commit_s`.
 The writer thread sleeps while it has nothing to write or fsync (a run waiting on long streams, an outage), and
 the first record after that wakes it: an idle log costs no CPU, and fsyncs only follow writes.
+
+A write the disk cannot take (full, or over quota) is cut back to the last whole frame, so records appended once
+there is room again still read back (a torn frame in the middle hides every record after it), and the writer
+keeps the records queued and tries again every `DISK_FULL_RETRY_S`, telling `on_disk_full` (the run's
+`DiskGuard`, which stops new requests and frees its reserve for them). Any other write error ends the writer
+and is raised by the next `submit`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 HEADER = struct.Struct("<II")  # payload length, CRC32 of the payload
 MAX_RECORD_BYTES = 256 * 1024**2
 WRITE_EVERY_S = 0.02
+DISK_FULL_RETRY_S = 0.2
 
 
 def _json_encoder(ascii_only: bool) -> Callable[[Any], str]:
@@ -111,15 +118,22 @@ def segment_token() -> str:
 class AppendLog:
     """One segment opened for appending, with a group-commit writer thread (see the module docstring)."""
 
-    def __init__(self, path: Path, group_commit_s: float = 0.2) -> None:
+    def __init__(
+        self, path: Path, group_commit_s: float = 0.2, on_disk_full: Callable[[OSError], bool] | None = None
+    ) -> None:
+        """`on_disk_full(error)`: told of a write that failed; True when the error is the disk being full (the
+        records are kept and written again), False ends the writer."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.group_commit_s = group_commit_s
+        self.on_disk_full = on_disk_full
         self.bytes_written = 0
         self.records_written = 0
         self.cpu_s = 0.0
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._size = os.fstat(self._fd).st_size
         self._queue: list[Any] = []
+        self._queue_lock = threading.Lock()
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
@@ -135,20 +149,43 @@ class AppendLog:
         """Append synchronously (to the kernel; fsync follows on the writer's cadence)."""
         frame = encode_frame(record, compact=False)
         with self._lock:
-            os.write(self._fd, frame)
-            self.bytes_written += len(frame)
+            try:
+                self._append(frame)
+            except OSError as exc:
+                if self.on_disk_full is not None:
+                    self.on_disk_full(exc)
+                raise
             self.records_written += 1
-            self._dirty = True
         if self._idle:
             self._wake.set()
+
+    def _append(self, data: bytes) -> None:
+        """All of `data`, or none of it: a short write (the disk filling mid-frame) is written on, and a failure
+        cuts the segment back to where it was. Called with `_lock` held."""
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(data)
+        self.bytes_written += len(data)
+        self._dirty = True
 
     def submit(self, record: Any) -> None:
         """Queue for the next group commit; never blocks on I/O."""
         if self._error is not None:
             raise RuntimeError(f"journal {self.path} writer failed: {self._error}") from self._error
-        self._queue.append(record)
+        with self._queue_lock:  # the writer swaps the list: an append racing the swap was lost with the old one
+            self._queue.append(record)
         if self._idle:
             self._wake.set()
+
+    @property
+    def unwritten(self) -> int:
+        """Records submitted and not yet written (held for room on a full disk, or queued)."""
+        return len(self._queue)
 
     def _loop(self) -> None:
         while not self._closed:
@@ -162,6 +199,11 @@ class AppendLog:
             self._wake.clear()
             try:
                 self._flush(sync=time.monotonic() - self._last_fsync >= self.group_commit_s)
+            except OSError as exc:
+                if self.on_disk_full is None or not self.on_disk_full(exc):
+                    self._error = exc
+                    return
+                self._wake.wait(DISK_FULL_RETRY_S)  # the records are queued again: written once there is room
             except BaseException as exc:  # reported to the next submit(): a lost journal must not go unnoticed
                 self._error = exc
                 return
@@ -169,14 +211,18 @@ class AppendLog:
     def _flush(self, sync: bool = True) -> None:
         with self._flush_lock:  # one batch at a time, so records keep their submission order
             started = time.thread_time()
-            batch, self._queue = self._queue, []
+            with self._queue_lock:
+                batch, self._queue = self._queue, []
             if batch:
                 data = b"".join(encode_frame(record) for record in batch)
-                with self._lock:
-                    os.write(self._fd, data)
-                    self.bytes_written += len(data)
-                    self.records_written += len(batch)
-                    self._dirty = True
+                try:
+                    with self._lock:
+                        self._append(data)
+                except OSError:
+                    with self._queue_lock:
+                        self._queue[:0] = batch
+                    raise
+                self.records_written += len(batch)
             if sync and self._dirty:
                 self._dirty = False  # before the fsync: a write racing it stays dirty for the next one
                 os.fsync(self._fd)
@@ -193,5 +239,10 @@ class AppendLog:
         self._closed = True
         self._wake.set()
         self._thread.join()
-        self._flush()
-        os.close(self._fd)
+        try:
+            self._flush()
+        except OSError as exc:  # still no room: what is left unwritten is `unwritten`, for the caller to report
+            if self.on_disk_full is None or not self.on_disk_full(exc):
+                raise
+        finally:
+            os.close(self._fd)

@@ -34,6 +34,7 @@ import itertools
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -265,9 +266,11 @@ class LedgerWriter:
     """This run's segment. `sent` is synchronous (before the request leaves); the rest is group-committed.
     Each method returns the record it wrote, so a caller can fold it into its in-memory `SpendLedger`."""
 
-    def __init__(self, run_dir: Path, group_commit_s: float) -> None:
+    def __init__(
+        self, run_dir: Path, group_commit_s: float, on_disk_full: Callable[[OSError], bool] | None = None
+    ) -> None:
         self.token = segment_token()
-        self.log = AppendLog(ledger_dir(run_dir) / f"ledger-{self.token}.log", group_commit_s)
+        self.log = AppendLog(ledger_dir(run_dir) / f"ledger-{self.token}.log", group_commit_s, on_disk_full)
         self._ids = itertools.count()
 
     def sent(self, sample_id: str, dataset: str, part: int, worst_usd: float, timeout_s: float | None = None) -> str:

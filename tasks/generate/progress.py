@@ -95,7 +95,15 @@ class ProgressSnapshot:
 Listener = Callable[[ProgressSnapshot], None]
 
 RunEventKind = Literal[
-    "outage_start", "outage_end", "budget_stop", "settled", "price_drift", "unreconciled", "account_wait", "no_cap"
+    "outage_start",
+    "outage_end",
+    "budget_stop",
+    "settled",
+    "price_drift",
+    "unreconciled",
+    "account_wait",
+    "no_cap",
+    "disk_full",
 ]
 
 
@@ -120,6 +128,7 @@ EVENT_LABELS: dict[str, str] = {
     "unreconciled": "costs not reconciled",
     "account_wait": "key's account",
     "no_cap": "no cost cap",
+    "disk_full": "the disk is full",
 }
 
 

@@ -1,0 +1,108 @@
+"""What generate does when the run directory's disk fills: stop buying, and keep every answer already paid for.
+
+Why: the requests in flight when the disk fills are billed whatever happens to the process. Raised where the
+write failed, the error cancelled them all: with 200 in flight the simulator billed 200 cut answers that no run
+kept, and the rerun bought them again (at 2,000 in flight on a large model, tens of dollars per fill; the disk a
+GPU worker's hidden states fill is the run directory's). So a full disk stops new requests at once, releases a
+file of space claimed when the run started (`endpoint.disk_reserve_mib`), lets the answers in flight arrive, and
+journals them into that space; the run then stops with one line (exit 2), and a rerun after space is freed sends
+only what was never answered.
+
+The reserve is a real allocation (`posix_fallocate`): on a file system that does not reserve blocks for it
+(copy-on-write or compressing ones, such as ZFS) it still guards against running out, but not reliably.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from tasks.common.config import PipelineConfig
+from tasks.common.errors import DiskFullError
+
+RESERVE_NAME = ".generate-disk-reserve"
+MIB = 1024**2
+AUTO_MIN_MIB = 16
+AUTO_MAX_MIB = 1024
+BYTES_PER_TOKEN = 16
+"""What one completion token takes in a journaled row at most, with room to spare: ~4 bytes of text and ~7 of
+its id in JSON where ids are kept (measured: 1,087 bytes for a row of 180 tokens without ids)."""
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in FULL_ERRNOS
+
+
+def reserve_bytes(cfg: PipelineConfig) -> int:
+    """`endpoint.disk_reserve_mib`, or by default room for every request in flight to journal a long answer,
+    bounded to 16 MiB - 1 GiB."""
+    ep = cfg.endpoint
+    if ep.disk_reserve_mib is not None:
+        return int(ep.disk_reserve_mib * MIB)
+    tokens = min(cfg.sampling.max_tokens, 16384)
+    auto = ep.max_in_flight * tokens * BYTES_PER_TOKEN
+    return min(max(auto, AUTO_MIN_MIB * MIB), AUTO_MAX_MIB * MIB)
+
+
+class DiskGuard:
+    """One generate run's reserve, and whether its disk has filled. Thread-safe: the journal's and the spend
+    ledger's writer threads report a full disk as well as the event loop's commits."""
+
+    def __init__(self, run_dir: Path, size_bytes: int) -> None:
+        self.path = run_dir / RESERVE_NAME
+        self.size_bytes = size_bytes
+        self.error: OSError | None = None
+        self._lock = threading.Lock()
+        self._held = False
+
+    @property
+    def full(self) -> bool:
+        return self.error is not None
+
+    def claim(self) -> None:
+        """Allocate the reserve before anything is sent. Raises `DiskFullError` when the disk lacks even that:
+        a run on a full disk then buys nothing."""
+        if self.size_bytes <= 0:
+            self.path.unlink(missing_ok=True)  # a killed run's
+            return
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.size_bytes)
+        except OSError as exc:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            if not is_disk_full(exc):
+                raise
+            free = shutil.disk_usage(self.path.parent).free
+            raise DiskFullError(
+                f"the disk holding {self.path.parent} has {free / MIB:.1f} MiB free, less than the "
+                f"{self.size_bytes / MIB:g} MiB generate reserves for journaling the answers in flight should the "
+                "disk fill (endpoint.disk_reserve_mib): free space, choose a run_dir on a larger disk, or lower "
+                "endpoint.disk_reserve_mib; nothing was sent"
+            ) from exc
+        os.close(fd)
+        self._held = True
+
+    def filled(self, exc: OSError) -> bool:
+        """Report a write that failed; True (and the reserve is freed for the answers in flight) when it is the
+        disk being full."""
+        if not is_disk_full(exc):
+            return False
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+            self._free()
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._free()
+
+    def _free(self) -> None:
+        if self._held:
+            self.path.unlink(missing_ok=True)
+            self._held = False

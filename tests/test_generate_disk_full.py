@@ -1,0 +1,213 @@
+"""The run directory's disk filling mid-run: generate stops buying, keeps every answer already paid for, and a
+rerun after space is freed buys each sample once. On a real small file system (a tmpfs this test mounts: it needs
+root, as CI and the dev machines have; skipped otherwise), filled by another writer while requests are in flight,
+as a GPU worker's hidden states fill a shared disk."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from endpoint_sim.responder import SimConfig
+from endpoint_sim.server import SimulatorServer
+from flows.exit_codes import ExitCode
+from tasks.common.shards import done_parts, read_part
+from tasks.generate.disk_guard import RESERVE_NAME, DiskGuard
+from tasks.generate.journal import AppendLog, read_records, whole_frames_length
+from tasks.generate.ledger import LEDGER_DIR, SpendLedger
+from tests.conftest import REPO
+from tests.test_generate_money import billed, check_ledger_against_provider, write_dataset
+
+PROMPTS = 400
+IN_FLIGHT = 48
+DISK_MIB = 24
+RESERVE_MIB = 2
+
+
+@pytest.fixture()
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs: a disk that really fills (ENOSPC from the kernel, short writes included)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(path: Path, leave_bytes: int = 0) -> int:
+    """Write `path` until the disk refuses (or only `leave_bytes` are left); returns the bytes written."""
+    written = 0
+    block = b"\0" * 65536
+    with path.open("wb", buffering=0) as fh:
+        while True:
+            room = shutil.disk_usage(path.parent).free - leave_bytes
+            if room <= 0:
+                return written
+            try:
+                written += fh.write(block[: min(len(block), room)])
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                return written
+
+
+def ledger_sent(run_dir: Path) -> int:
+    return sum(
+        1 for seg in (run_dir / LEDGER_DIR).glob("ledger-*.log") for rec in read_records(seg) if rec.get("k") == "s"
+    )
+
+
+def test_full_disk_keeps_answers_in_flight_and_rerun_buys_each_once(
+    small_disk: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Another writer fills the disk while 48 requests are in flight: the run stops with one line and exit 2,
+    the answers that were in flight are journaled into the freed reserve, and after space is freed the rerun
+    sends only what was never answered. Before, the error cancelled the requests in flight: billed, lost, and
+    bought again (200 of 3,000 at 200 in flight, measured)."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, PROMPTS, tag="disk")
+    run_dir = small_disk / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": str(run_dir),
+                "samples_per_shard": 100,
+                "datasets": [{"name": "disk", "path": str(data)}],
+                "endpoint": {
+                    "base_url": "",
+                    "model": "sim/deepseek-v4-sim",
+                    "max_in_flight": IN_FLIGHT,
+                    "commit_every_s": 0.5,
+                    "progress_every_s": 0.5,
+                    "price_prompt_usd_per_mtok": 0.6,
+                    "price_completion_usd_per_mtok": 2.5,
+                    "max_cost_usd": 5.0,
+                    "disk_reserve_mib": RESERVE_MIB,
+                },
+                "sampling": {"max_tokens": 512},
+                "tokenizer": {"path": str(tokenizer_dir)},
+            }
+        )
+    )
+    sim_config = SimConfig(seed=5, latency_lognormal=(math.log(0.3), 0.3), reasoning_words=(20, 60))
+    with SimulatorServer(tokenizer_dir, sim_config) as sim:
+        text = config.read_text().replace("base_url: ''", f"base_url: {sim.base_url}")
+        config.write_text(text)
+        cmd = [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"]
+        first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while ledger_sent(run_dir) < PROMPTS // 4:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ballast = small_disk / "hidden-states.bin"
+        fill(ballast)
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == ExitCode.USER, out + err
+        lines = err.strip().splitlines()
+        assert "Traceback" not in err, err
+        assert lines[-1].startswith(f"error: the disk holding {run_dir} filled"), err
+        kept = int(re.search(r"the (\d+) answers that arrived after it filled", lines[-1]).group(1))  # type: ignore[union-attr]
+        assert "could not be written" not in lines[-1]
+        assert not (run_dir / RESERVE_NAME).exists(), "the reserve is released when the run ends"
+        for segment in [*(run_dir / LEDGER_DIR).glob("*.log"), *(run_dir / "responses").glob("_journal/*.log")]:
+            data_bytes = segment.read_bytes()
+            assert whole_frames_length(data_bytes) == len(data_bytes), f"{segment.name} has a torn frame"
+        sent_first = ledger_sent(run_dir)
+        assert len(billed(sim)) == sent_first, "every request the ledger shows sent was answered and billed"
+
+        ballast.unlink()
+        second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stdout + second.stderr
+        total = json.loads(second.stdout.strip().splitlines()[-1])
+        print(f"first run: {sent_first} sent, {kept} answers kept after the fill; rerun sent {total['requests_sent']}")
+        assert kept > 0, "requests were in flight when the disk filled"
+        assert total["requests_sent"] == PROMPTS - sent_first, "an answer paid for in the first run was bought again"
+        ledger = check_ledger_against_provider(run_dir, sim)
+        totals = ledger.totals()
+        assert (totals.attempts, totals.settled_attempts, totals.pending_attempts) == (PROMPTS, 0, 0)
+        rows = [row for ref in done_parts(run_dir, "responses") for row in read_part(ref).to_pylist()]
+        assert len(rows) == PROMPTS and {row["status"] for row in rows} == {"done"}
+        assert len({row["sample_id"] for row in rows}) == PROMPTS
+    assert SpendLedger.load(run_dir).totals().billed_usd == pytest.approx(sum(r["cost_usd"] for r in billed(sim)))
+
+
+def test_journal_on_a_full_disk_keeps_every_record_and_leaves_no_torn_frame(small_disk: Path) -> None:
+    """A frame cut by the disk filling is cut back (a torn frame mid-segment hides every record after it), the
+    records that could not be written stay queued, and all of them are written, in order, once there is room."""
+    guard = DiskGuard(small_disk, 0)
+    log = AppendLog(small_disk / "journal.log", group_commit_s=0.05, on_disk_full=guard.filled)
+    log.write_now({"n": -1})
+    ballast = small_disk / "ballast"
+    fill(ballast, leave_bytes=3000)
+    with pytest.raises(OSError) as refused:
+        log.write_now({"n": -2, "pad": "x" * 20000})
+    assert refused.value.errno == errno.ENOSPC and guard.full
+    records = [{"n": i, "pad": "y" * 500} for i in range(200)]
+    for record in records:
+        log.submit(record)
+    deadline = time.monotonic() + 30
+    while log.unwritten == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert log.unwritten > 0, "the disk took every record: the test did not fill it"
+    data = (small_disk / "journal.log").read_bytes()
+    assert whole_frames_length(data) == len(data)
+    ballast.unlink()
+    while log.unwritten and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log.close()
+    assert list(read_records(small_disk / "journal.log")) == [{"n": -1}, *records]
+
+
+def test_a_disk_without_room_for_the_reserve_buys_nothing(
+    small_disk: Path, tokenizer_dir: Path, tmp_path: Path, server: SimulatorServer
+) -> None:
+    """The reserve is claimed before the first request: a disk already too full is one line and exit 2."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, 20, tag="full")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": str(small_disk / "run"),
+                "datasets": [{"name": "full", "path": str(data)}],
+                "endpoint": {"base_url": server.base_url, "model": "sim/deepseek-v4-sim", "disk_reserve_mib": 64},
+                "sampling": {"max_tokens": 256},
+                "tokenizer": {"path": str(tokenizer_dir)},
+            }
+        )
+    )
+    before = len(billed(server))
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == ExitCode.USER, done.stdout + done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: the disk holding {small_disk / 'run'} has ") and "nothing was sent" in line
+    assert "64 MiB" in line and "endpoint.disk_reserve_mib" in line
+    assert len(billed(server)) == before
+    assert not (small_disk / "run" / RESERVE_NAME).exists()
