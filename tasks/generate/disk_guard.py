@@ -18,6 +18,7 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tasks.common.config import PipelineConfig
@@ -56,6 +57,9 @@ class DiskGuard:
         self.path = run_dir / RESERVE_NAME
         self.size_bytes = size_bytes
         self.error: OSError | None = None
+        self.in_flight: Callable[[], int] = lambda: 0
+        """How many requests are in flight now (the engine's window); read once, when the disk fills."""
+        self.in_flight_at_fill = 0
         self._lock = threading.Lock()
         self._held = False
 
@@ -69,8 +73,10 @@ class DiskGuard:
         if self.size_bytes <= 0:
             self.path.unlink(missing_ok=True)  # a killed run's
             return
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)  # a killed run's is taken over
         try:
+            if os.fstat(fd).st_size > self.size_bytes:
+                os.ftruncate(fd, self.size_bytes)
             os.posix_fallocate(fd, 0, self.size_bytes)
         except OSError as exc:
             os.close(fd)
@@ -95,6 +101,7 @@ class DiskGuard:
         with self._lock:
             if self.error is None:
                 self.error = exc
+                self.in_flight_at_fill = self.in_flight()
             self._free()
         return True
 

@@ -415,8 +415,9 @@ class _Run:
             RunEvent(
                 "disk_full",
                 f"the disk holding {self.cfg.run_dir} filled ({self.client.disk.error if self.client.disk else ''}): "
-                f"no new request is sent; the {self.client.window.in_flight} in flight are awaited and journaled "
-                "into the space generate reserved at its start, then the run stops (exit 2)",
+                f"no new request is sent; the {self.client.window.in_flight} still in flight are awaited and "
+                "every answer is journaled into the space generate reserved at its start, then the run stops "
+                "(exit 2)",
                 time.monotonic() - self.started,
             )
         )
@@ -544,7 +545,6 @@ class _Run:
         state.outstanding -= 1
         self.complete_parts += state.outstanding == 0
         self.uncommitted += 1
-        self.kept_after_full += self.disk_full
         if result is not None:
             self.unexpected_reasoning.see(result.reasoning)  # raises once the row above is recorded
 
@@ -663,7 +663,8 @@ class _Run:
                 told = True
             await asyncio.sleep(0.5)
         lost = self.journal.unwritten if self.journal else 0
-        return DiskFullError(_disk_full_line(self.cfg.run_dir, guard, self.kept_after_full, lost))
+        held = sum(len(state.buffer) for state in self.states)
+        return DiskFullError(_disk_full_line(self.cfg.run_dir, guard, held, lost))
 
 
 def budget_stop_message(
@@ -743,22 +744,26 @@ def _length_error(result: GenerationResult, max_tokens: int, hint: str = FINAL_A
     )
 
 
-def _disk_full_line(run_dir: Path, guard: DiskGuard, kept: int, lost: int) -> str:
-    """The one line of a run the disk stopped: what filled, what was kept, what to do."""
+def _disk_full_line(run_dir: Path, guard: DiskGuard, held: int, lost: int) -> str:
+    """The one line of a run the disk stopped: what filled, what was kept, what to do. `held`: answers not in a
+    Parquet part or chunk (commits stop when the disk fills), so in the journal unless `lost`."""
     try:
         free = f"{shutil.disk_usage(run_dir).free / 1024**2:.1f} MiB free now"
     except OSError:
         free = "free space unknown"
-    reserve = f"{guard.size_bytes / 1024**2:g} MiB" if guard.size_bytes else "no"
-    kept_line = (
-        f"the {kept} answers that arrived after it filled (requests already sent, so billed) are kept in the "
-        f"journal ({reserve} reserved at the start, endpoint.disk_reserve_mib, were freed for them)"
-    )
+    reserve = f"the {guard.size_bytes / 1024**2:g} MiB reserved at its start (endpoint.disk_reserve_mib) freed for them"
+    if not guard.size_bytes:
+        reserve = "no space reserved: endpoint.disk_reserve_mib is 0"
+    kept = f"kept every answer: the {held} not yet in a Parquet file are in the journal ({reserve})"
     if lost:
-        kept_line += f", {lost} of them could not be written and are lost (their cost is in the spend ledger)"
+        kept = (
+            f"kept what it could: {held - lost} answers not yet in a Parquet file are in the journal ({reserve}), "
+            f"{lost} could not be written and are lost (their cost is in the spend ledger)"
+        )
     return (
-        f"the disk holding {run_dir} filled ({free}; {guard.error}): generate stopped sending new requests and "
-        f"{kept_line}; free space and rerun: samples already answered are not sent again"
+        f"the disk holding {run_dir} filled ({free}; {guard.error}): generate stopped sending, waited for the "
+        f"{guard.in_flight_at_fill} requests in flight then (billed whatever happens) and {kept}; free space and "
+        "rerun: no answered sample is sent again"
     )
 
 
@@ -814,6 +819,8 @@ async def _generate_async(
     window = 2 * cfg.endpoint.max_in_flight
     async with EndpointClient(cfg, markers, tokenizer, ledger=ledger) as client:
         client.disk = disk
+        if disk is not None:
+            disk.in_flight = lambda: client.window.in_flight
         settler = Settler(cfg, client, ledger, spend)
         sending = any(s.todo for s in states)
         await settler.before_run(sending=sending)
