@@ -103,6 +103,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/extract_throughput.py
 	$(BIN)/python bench/rerun_noop.py
 	$(BIN)/python bench/store_sync.py
+	$(BIN)/python bench/ledger_load.py
 
 # Exact ids vs re-encoded text, two drafters on SmolLM2 (reuses runs/demo-real/own when `make demo-real` made it).
 bench-real: $(REAL_STAMP)

@@ -520,6 +520,25 @@ def test_a_torn_or_corrupt_tail_costs_only_that_record(tmp_path: Path) -> None:
     assert [r["i"] for r in read_records(tmp_path / "j.log")] == [0, 1, 2, 3]
 
 
+def test_a_checked_frame_that_is_not_json_ends_the_segment_there(tmp_path: Path) -> None:
+    """Records are parsed in batches as one JSON array; a payload whose checksum matches but that is not one JSON
+    value (or is two) stops reading at that record, in the first batch or a later one, as record by record did."""
+    import struct
+    import zlib
+
+    from tasks.generate.journal import PARSE_BATCH, encode_frame, read_records
+
+    def frame(payload: bytes) -> bytes:
+        return struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+
+    for bad_at in (3, PARSE_BATCH + 7):
+        for bad in (b'{"i": ', b'{"i": 1},{"i": 2}', b"not json"):
+            frames = [encode_frame({"i": i}) for i in range(bad_at)] + [frame(bad)]
+            frames += [encode_frame({"i": i}) for i in range(bad_at + 1, bad_at + 20)]
+            (tmp_path / "j.log").write_bytes(b"".join(frames))
+            assert [r["i"] for r in read_records(tmp_path / "j.log")] == list(range(bad_at)), (bad_at, bad)
+
+
 def test_an_attempt_never_settled_counts_at_its_worst_case(tmp_path: Path) -> None:
     from tasks.generate.ledger import LedgerWriter
 
