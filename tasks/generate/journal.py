@@ -169,6 +169,7 @@ class AppendLog:
         self._size = os.fstat(self._fd).st_size
         self._queue: list[Any] = []
         self._queue_lock = threading.Lock()
+        self._held: list[tuple[bytes, int]] = []  # encoded batches the disk had no room for, and their counts
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
@@ -220,15 +221,15 @@ class AppendLog:
     @property
     def unwritten(self) -> int:
         """Records submitted and not yet written (held for room on a full disk, or queued)."""
-        return len(self._queue)
+        return len(self._queue) + sum(count for _, count in self._held)
 
     def _loop(self) -> None:
         while not self._closed:
-            if self._queue or self._dirty:
+            if self._queue or self._dirty or self._held:
                 self._wake.wait(min(WRITE_EVERY_S, self.group_commit_s))
             else:
                 self._idle = True  # before the second look: a record queued after it sees _idle and wakes us
-                if not (self._queue or self._dirty or self._closed):
+                if not (self._queue or self._dirty or self._held or self._closed):
                     self._wake.wait()
                 self._idle = False
             self._wake.clear()
@@ -238,7 +239,7 @@ class AppendLog:
                 if self.on_disk_full is None or not self.on_disk_full(exc):
                     self._error = exc
                     return
-                self._wake.wait(DISK_FULL_RETRY_S)  # the records are queued again: written once there is room
+                self._wake.wait(DISK_FULL_RETRY_S)  # the records are held: written once there is room
             except BaseException as exc:  # reported to the next submit(): a lost journal must not go unnoticed
                 self._error = exc
                 return
@@ -248,16 +249,14 @@ class AppendLog:
             started = time.thread_time()
             with self._queue_lock:
                 batch, self._queue = self._queue, []
-            if batch:
-                data = b"".join(encode_frame(record) for record in batch)
-                try:
-                    with self._lock:
-                        self._append(data)
-                except OSError:
-                    with self._queue_lock:
-                        self._queue[:0] = batch
-                    raise
-                self.records_written += len(batch)
+            if batch:  # encoded once: a full disk retries the bytes, not the encoding
+                self._held.append((b"".join(encode_frame(record) for record in batch), len(batch)))
+            while self._held:
+                data, count = self._held[0]
+                with self._lock:
+                    self._append(data)
+                self._held.pop(0)
+                self.records_written += count
             if sync and self._dirty:
                 self._dirty = False  # before the fsync: a write racing it stays dirty for the next one
                 os.fsync(self._fd)
