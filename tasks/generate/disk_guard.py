@@ -2,8 +2,8 @@
 
 Why: the requests in flight when the disk fills are billed whatever happens to the process. Raised where the
 write failed, the error cancelled them all: with 200 in flight the simulator billed 200 cut answers that no run
-kept, and the rerun bought them again (at 2,000 in flight on a large model, tens of dollars per fill; the disk a
-GPU worker's hidden states fill is the run directory's). So a full disk stops new requests at once, releases a
+kept, and the rerun bought them again (2,000 answers of 8,000 tokens at $2.50 per million are $40 per fill; the
+disk a GPU worker's hidden states fill is the run directory's). So a full disk stops new requests at once, releases a
 file of space claimed when the run started (`endpoint.disk_reserve_mib`), lets the answers in flight arrive, and
 journals them into that space; the run then stops with one line (exit 2), and a rerun after space is freed sends
 only what was never answered.

@@ -398,9 +398,7 @@ class _Run:
         self.unexpected_reasoning = UnexpectedReasoning(
             bool(client.markers.reasoning_close), cfg.tokenizer.completion_format_name
         )
-        self.kept_after_full = 0
         self._told_disk_full = False
-        """Rows recorded after the disk filled: answers that were in flight then, journaled into the reserve."""
 
     @property
     def disk_full(self) -> bool:
