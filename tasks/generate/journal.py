@@ -16,10 +16,10 @@ The writer thread sleeps while it has nothing to write or fsync (a run waiting o
 the first record after that wakes it: an idle log costs no CPU, and fsyncs only follow writes.
 
 A write the disk cannot take (full, or over quota) is cut back to the last whole frame, so records appended once
-there is room again still read back (a torn frame in the middle hides every record after it), and the writer
-keeps the records queued and tries again every `DISK_FULL_RETRY_S`, telling `on_disk_full` (the run's
-`DiskGuard`, which stops new requests and frees its reserve for them). Any other write error ends the writer
-and is raised by the next `submit`.
+there is room again still read back (a torn frame in the middle hides every record after it). The writer then
+holds the encoded records and tries them again every `DISK_FULL_RETRY_S`, having told `on_disk_full` (the run's
+`DiskGuard`, which stops new requests and frees its reserve for them); `write_now` raises, so the request it was
+to record is not sent. Any other write error ends the writer and is raised by the next `submit`.
 """
 
 from __future__ import annotations
