@@ -156,7 +156,7 @@ def test_full_disk_keeps_answers_in_flight_and_rerun_buys_each_once(
 
 def test_journal_on_a_full_disk_keeps_every_record_and_leaves_no_torn_frame(small_disk: Path) -> None:
     """A frame cut by the disk filling is cut back (a torn frame mid-segment hides every record after it), the
-    records that could not be written stay queued, and all of them are written, in order, once there is room."""
+    records that could not be written are held, and all of them are written, in order, once there is room."""
     guard = DiskGuard(small_disk, 0)
     log = AppendLog(small_disk / "journal.log", group_commit_s=0.05, on_disk_full=guard.filled)
     log.write_now({"n": -1})
