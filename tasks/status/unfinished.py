@@ -40,7 +40,7 @@ def status_notes(run_dir: Path) -> list[str]:
         by = ", ".join(f"{d} {n}" for d, n in sorted(waiting.items()))
         lines.append(
             f"responses: {sum(waiting.values())} answers ({by}) are committed in unfinished parts "
-            "(responses/_chunks, or journaled in responses/_journal by a run that was killed) and counted as "
-            "missing until their part finishes; they are kept, and the next run does not buy them again"
+            "(responses/_chunks, or journaled in responses/_journal by a run killed or stopped by a full disk) and "
+            "counted as missing until their part finishes; they are kept, and the next run does not buy them again"
         )
     return lines
