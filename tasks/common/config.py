@@ -230,7 +230,7 @@ class EndpointConfig(StrictModel):
         ge=0,
         description="Space generate claims in the run directory when it starts and frees when the disk fills, so "
         "the answers in flight then (already billed) are journaled, not lost: it stops sending, keeps them and "
-        "exits 2. Unset: max_in_flight x min(sampling.max_tokens, 16384) x 16 bytes, within 16-1024 MiB; 0: none.",
+        "exits 2. Unset: max_in_flight x min(sampling.max_tokens, 8192) x 8 bytes, within 16-256 MiB; 0: none.",
     )
 
     @model_validator(mode="before")

@@ -27,10 +27,12 @@ from tasks.common.errors import DiskFullError
 RESERVE_NAME = ".generate-disk-reserve"
 MIB = 1024**2
 AUTO_MIN_MIB = 16
-AUTO_MAX_MIB = 1024
-BYTES_PER_TOKEN = 16
-"""What one completion token takes in a journaled row at most, with room to spare: ~4 bytes of text and ~7 of
-its id in JSON where ids are kept (measured: 1,087 bytes for a row of 180 tokens without ids)."""
+AUTO_MAX_MIB = 256
+AUTO_TOKENS = 8192
+BYTES_PER_TOKEN = 8
+"""What one completion token takes in a journaled row: ~6 bytes without ids (measured: 1,087 bytes for a row of
+180 tokens), ~13 with them (their JSON). Sized for answers of `AUTO_TOKENS` at most: a larger reserve would refuse
+runs on disks a small one serves, and answers the reserve cannot hold are kept in memory until there is room."""
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -40,11 +42,11 @@ def is_disk_full(exc: BaseException) -> bool:
 
 def reserve_bytes(cfg: PipelineConfig) -> int:
     """`endpoint.disk_reserve_mib`, or by default room for every request in flight to journal a long answer,
-    bounded to 16 MiB - 1 GiB."""
+    bounded to 16-256 MiB."""
     ep = cfg.endpoint
     if ep.disk_reserve_mib is not None:
         return int(ep.disk_reserve_mib * MIB)
-    tokens = min(cfg.sampling.max_tokens, 16384)
+    tokens = min(cfg.sampling.max_tokens, AUTO_TOKENS)
     auto = ep.max_in_flight * tokens * BYTES_PER_TOKEN
     return min(max(auto, AUTO_MIN_MIB * MIB), AUTO_MAX_MIB * MIB)
 
