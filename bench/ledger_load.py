@@ -18,7 +18,6 @@ import statistics
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,30 +26,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tasks.generate import journal, ledger  # noqa: E402
-from tasks.generate.journal import HEADER, MAX_RECORD_BYTES  # noqa: E402
 from tasks.generate.ledger import LedgerWriter, SpendLedger  # noqa: E402
 
 
 def one_by_one(path: Path) -> Iterator[Any]:
-    """The reader before batching: `json.loads` per checked frame."""
+    """The reader before batching: the same framing and checks (`journal._payloads`), `json.loads` per record."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return
-    pos, end = 0, len(data)
-    while pos + HEADER.size <= end:
-        length, crc = HEADER.unpack_from(data, pos)
-        start = pos + HEADER.size
-        if length > MAX_RECORD_BYTES or start + length > end:
-            return
-        payload = data[start : start + length]
-        if zlib.crc32(payload) != crc:
-            return
+    for payload in journal._payloads(data):
         try:
             yield json.loads(payload)
         except ValueError:
             return
-        pos = start + length
 
 
 def write_ledger(run_dir: Path, attempts: int, segments: int = 4) -> None:

@@ -63,7 +63,7 @@ from tasks.generate.chunks import (
 )
 from tasks.generate.client import LOOKUP_DELAYS_S, AttemptTag, Budget, EndpointClient, SampleOutcome
 from tasks.generate.collector import tuned_collector
-from tasks.generate.disk_guard import DiskGuard, reserve_bytes
+from tasks.generate.disk_guard import MIB, DiskGuard, reserve_bytes
 from tasks.generate.endpoints import CompletionMarkers, GenerationResult, request_seed
 from tasks.generate.heap_trim import trimmed_heap
 from tasks.generate.journal import AppendLog
@@ -406,13 +406,14 @@ class _Run:
 
     def tell_disk_full(self) -> None:
         """Once, when the engine first sees the disk full: what it does about it."""
-        if self._told_disk_full or not self.disk_full:
+        guard = self.client.disk
+        if self._told_disk_full or guard is None or not guard.full:
             return
         self._told_disk_full = True
         emit_event(
             RunEvent(
                 "disk_full",
-                f"the disk holding {self.cfg.run_dir} filled ({self.client.disk.error if self.client.disk else ''}): "
+                f"the disk holding {self.cfg.run_dir} filled ({guard.error}): "
                 f"no new request is sent; the {self.client.window.in_flight} still in flight are awaited and "
                 "every answer is journaled into the space generate reserved at its start, then the run stops "
                 "(exit 2)",
@@ -648,12 +649,12 @@ class _Run:
         told = False
         while any(log.unwritten for log in logs) and time.monotonic() < deadline:
             if not told:
-                held = self.journal.unwritten if self.journal else 0
+                unwritten = self.journal.unwritten if self.journal else 0
                 emit_event(
                     RunEvent(
                         "disk_full",
-                        f"the disk holding {self.cfg.run_dir} is full even with generate's reserve freed: {held} "
-                        f"answers are held in memory until there is room to journal them (up to "
+                        f"the disk holding {self.cfg.run_dir} is full even with generate's reserve freed: "
+                        f"{unwritten} answers are held in memory until there is room to journal them (up to "
                         f"{self.cfg.endpoint.outage_abort_s:g} s, endpoint.outage_abort_s); free space now",
                         time.monotonic() - self.started,
                     )
@@ -746,10 +747,10 @@ def _disk_full_line(run_dir: Path, guard: DiskGuard, held: int, lost: int) -> st
     """The one line of a run the disk stopped: what filled, what was kept, what to do. `held`: answers not in a
     Parquet part or chunk (commits stop when the disk fills), so in the journal unless `lost`."""
     try:
-        free = f"{shutil.disk_usage(run_dir).free / 1024**2:.1f} MiB free now"
+        free = f"{shutil.disk_usage(run_dir).free / MIB:.1f} MiB free now"
     except OSError:
         free = "free space unknown"
-    reserve = f"the {guard.size_bytes / 1024**2:g} MiB reserved at its start (endpoint.disk_reserve_mib) freed for them"
+    reserve = f"the {guard.size_bytes / MIB:g} MiB reserved at its start (endpoint.disk_reserve_mib) freed for them"
     if not guard.size_bytes:
         reserve = "no space reserved: endpoint.disk_reserve_mib is 0"
     kept = f"kept every answer: the {held} not yet in a Parquet file are in the journal ({reserve})"
