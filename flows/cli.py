@@ -354,6 +354,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     recipes = None
     settings: dict[str, Any] = {}
+    spill_setting: Path | None = None
     if args.config:
         from tasks.common.config import load_config
         from tasks.reconstruct.completion_format import format_for
@@ -368,6 +369,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             "retry_failed": cfg.endpoint.retry_failed,
             "scoring_enabled": cfg.scores_extracted,
         }
+        spill_setting = cfg.endpoint.spill_dir
     status = run_status(run_dir, recipes, **settings)
     failed_file = write_failed_file(status, Path(args.failed_out).resolve() if args.failed_out else None)
     records = status.failure_records()
@@ -387,7 +389,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(table)
         if records:
             console.print(failed_samples_table(records, FAILED_SHOWN, str(failed_file)))
-        for line in status_notes(run_dir):
+        for line in status_notes(run_dir, spill_setting):
             print(line)
     if status.failed or status.quarantined:
         print(

@@ -37,7 +37,8 @@ class ExitCode(IntEnum):
 EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "finished (a sample that failed is a row with its reason, not an error)",
     ExitCode.INTERNAL: "internal error: a bug; rerun with --debug and report the traceback",
-    ExitCode.USER: "fix the input: config, dataset, tokenizer, run directory, disk space, permissions, missing outputs",
+    ExitCode.USER: "fix the input: config, dataset, tokenizer, run directory, disk space, a failing disk, permissions, "
+    "missing outputs",
     ExitCode.BUDGET: "budget: stopped at endpoint.max_cost_usd, or the estimate's low end already exceeds it",
     ExitCode.ENDPOINT: "endpoint unavailable or refusing the run (unreachable, 401/403/404, 402 no credit, "
     "unknown model id)",
@@ -88,7 +89,14 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.USER
     if isinstance(exc, PermissionError | FileNotFoundError | IsADirectoryError | NotADirectoryError):
         return ExitCode.USER
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+    if isinstance(exc, OSError) and exc.errno in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EACCES,
+        errno.EIO,
+        errno.ESTALE,
+    ):
         return ExitCode.USER
     if isinstance(exc, DatagenError):  # ExportError among them (not imported here: its package loads transformers)
         return ExitCode.USER
@@ -221,6 +229,8 @@ def _os_error_line(exc: OSError) -> str:
         errno.ENOENT: "it does not exist: check the path in the config",
         errno.EISDIR: "that is a directory, a file was expected",
         errno.ENOTDIR: "a part of that path is not a directory",
+        errno.EIO: "the disk failed to read or write it: check the device (dmesg), then rerun (stages resume)",
+        errno.ESTALE: "the network file system lost that file (a stale handle): remount it, then rerun",
     }
     hint = hints.get(exc.errno or 0, "")
     return f"cannot use{where}: {exc.strerror or exc}" + (f"; {hint}" if hint else "")

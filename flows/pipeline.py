@@ -482,7 +482,8 @@ def publish_status(cfg: PipelineConfig, extracted_here: bool = True) -> dict[str
     )
     failed_file = write_failed_file(status)
     publish_failed_samples(status.failure_records(), failed_file, cfg.run_dir, [d.name for d in cfg.datasets])
-    notes = "".join(f"- {line}\n" for line in status_notes(cfg.run_dir))  # paid answers in unfinished parts, spend
+    # paid answers in unfinished parts, spend, a failed disk's spilled answers
+    notes = "".join(f"- {line}\n" for line in status_notes(cfg.run_dir, cfg.endpoint.spill_dir))
     create_markdown_artifact(key=run_key("run-status", cfg.run_dir), markdown=f"{status.markdown()}\n{notes}")
     create_table_artifact(
         key=run_key("run-status-table", cfg.run_dir),

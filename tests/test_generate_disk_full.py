@@ -27,6 +27,7 @@ from tasks.common.shards import done_parts, read_part
 from tasks.generate.disk_guard import RESERVE_NAME, DiskGuard
 from tasks.generate.journal import AppendLog, read_records, whole_frames_length
 from tasks.generate.ledger import LEDGER_DIR, SpendLedger
+from tasks.generate.spill import spill_folder
 from tests.conftest import REPO, run_main
 from tests.test_generate_money import billed, check_ledger_against_provider, write_dataset
 
@@ -158,13 +159,13 @@ def test_journal_on_a_full_disk_keeps_every_record_and_leaves_no_torn_frame(smal
     """A frame cut by the disk filling is cut back (a torn frame mid-segment hides every record after it), the
     records that could not be written are held, and all of them are written, in order, once there is room."""
     guard = DiskGuard(small_disk, 0)
-    log = AppendLog(small_disk / "journal.log", group_commit_s=0.05, on_disk_full=guard.filled)
+    log = AppendLog(small_disk / "journal.log", group_commit_s=0.05, on_write_error=guard.write_failed)
     log.write_now({"n": -1})
     ballast = small_disk / "ballast"
     fill(ballast, leave_bytes=3000)
     with pytest.raises(OSError) as refused:
         log.write_now({"n": -2, "pad": "x" * 20000})
-    assert refused.value.errno == errno.ENOSPC and guard.full
+    assert refused.value.errno == errno.ENOSPC and guard.stopped
     records = [{"n": i, "pad": "y" * 500} for i in range(200)]
     for record in records:
         log.submit(record)
@@ -207,3 +208,70 @@ def test_a_disk_without_room_for_the_reserve_buys_nothing(
     assert "64 MiB" in line and "endpoint.disk_reserve_mib" in line
     assert len(billed(server)) == before
     assert not (small_disk / "run" / RESERVE_NAME).exists()
+
+
+@pytest.mark.slow  # a second end-to-end run on a real tmpfs: make test-long
+def test_a_full_disk_that_never_makes_room_spills_what_it_holds(
+    small_disk: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """No reserve and a disk filled to the last byte: the answers in flight cannot be journaled, and once
+    `endpoint.outage_abort_s` has passed without room they go to the spill directory instead of being lost (as
+    they were: "N could not be written and are lost"); the rerun takes them back and buys each sample once."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, PROMPTS, tag="noroom")
+    run_dir = small_disk / "run"
+    spill_root = tmp_path / "spill"
+    sim_config = SimConfig(seed=9, latency_lognormal=(math.log(0.3), 0.3), reasoning_words=(20, 60))
+    with SimulatorServer(tokenizer_dir, sim_config) as sim:
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_dir": str(run_dir),
+                    "samples_per_shard": 100,
+                    "datasets": [{"name": "noroom", "path": str(data)}],
+                    "endpoint": {
+                        "base_url": sim.base_url,
+                        "model": "sim/deepseek-v4-sim",
+                        "max_in_flight": IN_FLIGHT,
+                        "commit_every_s": 0.5,
+                        "price_prompt_usd_per_mtok": 0.6,
+                        "price_completion_usd_per_mtok": 2.5,
+                        "max_cost_usd": 5.0,
+                        "disk_reserve_mib": 0,
+                        "outage_abort_s": 2,
+                        "spill_dir": str(spill_root),
+                    },
+                    "sampling": {"max_tokens": 512},
+                    "tokenizer": {"path": str(tokenizer_dir)},
+                }
+            )
+        )
+        cmd = [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"]
+        first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while ledger_sent(run_dir) < PROMPTS // 4:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ballast = small_disk / "hidden-states.bin"
+        fill(ballast)
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == ExitCode.USER, out + err
+        assert "Traceback" not in err, err
+        line = err.strip().splitlines()[-1]
+        folder = spill_folder(run_dir, spill_root)
+        assert line.startswith(f"error: the disk holding {run_dir} filled"), line
+        assert "found no room for them (no space reserved" in line and str(folder) in line, line
+        billed_first = len(billed(sim))
+
+        ballast.unlink()
+        second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "took back" in second.stderr, second.stderr
+        total = json.loads(second.stdout.strip().splitlines()[-1])
+        assert total["requests_sent"] == PROMPTS - billed_first, "an answer paid for in the first run was bought again"
+        totals = check_ledger_against_provider(run_dir, sim).totals()
+        assert (totals.attempts, totals.settled_attempts, totals.pending_attempts) == (PROMPTS, 0, 0)
+        rows = [row for ref in done_parts(run_dir, "responses") for row in read_part(ref).to_pylist()]
+        assert len(rows) == PROMPTS and len({row["sample_id"] for row in rows}) == PROMPTS

@@ -232,6 +232,12 @@ class EndpointConfig(StrictModel):
         "the answers in flight then (already billed) are journaled, not lost: it stops sending, keeps them and "
         "exits 2. Unset: max_in_flight x min(sampling.max_tokens, 8192) x 8 bytes, within 16-256 MiB; 0: none.",
     )
+    spill_dir: Path | None = Field(
+        default=None,
+        description="Where generate writes the answers and spend records that the run directory's disk could not "
+        "take when it failed mid-run (EIO, a read-only remount, a stale network mount), for the next run to take "
+        "back; choose a folder on another disk. Unset: eagle3-datagen-spill in the system's temporary directory.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -714,7 +720,12 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         data["run_dir"] = fix(data["run_dir"])
     if isinstance(data.get("datasets"), list):
         data["datasets"] = [{**d, "path": fix(d.get("path"))} if isinstance(d, dict) else d for d in data["datasets"]]
-    for section, key in (("tokenizer", "path"), ("extract", "model_path"), ("reconstruct", "repair_from")):
+    for section, key in (
+        ("tokenizer", "path"),
+        ("extract", "model_path"),
+        ("reconstruct", "repair_from"),
+        ("endpoint", "spill_dir"),
+    ):
         if isinstance(data.get(section), dict) and data[section].get(key):
             data[section] = {**data[section], key: fix(data[section][key])}
     return data

@@ -70,3 +70,8 @@ class EndpointUnavailableError(ConnectionError):
 
 class DiskFullError(InsufficientSpaceError):
     """The run directory's disk filled during generate: it stopped sending and kept the answers in flight."""
+
+
+class DiskFailedError(DatagenError):
+    """The run directory's disk failed during generate (EIO, a read-only remount): it stopped sending, awaited the
+    answers in flight and wrote what the disk could not take to the spill directory."""

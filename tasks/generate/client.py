@@ -181,7 +181,8 @@ class BudgetExhausted(Exception):
 
 
 class SendingHalted(Exception):
-    """No request may start: the run directory's disk is full (`disk_guard`); the request was not sent."""
+    """No request may start: the run directory's disk stopped taking writes, full or failed (`disk_guard`); the
+    request was not sent."""
 
 
 class AttemptTag(NamedTuple):
@@ -207,7 +208,7 @@ class SampleOutcome:
     cost_usd: float = 0.0
     budget_stopped: bool = False
     halted: bool = False
-    """Not sent because the disk filled: no row, so the sample stays pending for a rerun."""
+    """Not sent because the disk filled or failed: no row, so the sample stays pending for a rerun."""
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -733,7 +734,7 @@ class EndpointClient:
                 budget.settle(reserve, 0.0)
                 attempt -= 1
                 message = f"not sent: {exc}"
-                return SampleOutcome(None, "disk_full", message, attempt, None, retries or [], cost, halted=True)
+                return SampleOutcome(None, "disk_stopped", message, attempt, None, retries or [], cost, halted=True)
             except FatalEndpointError:
                 budget.settle(reserve, 0.0)
                 if sent:  # the endpoint answered 401/403/404/402: nothing is billed for a refusal
@@ -881,14 +882,14 @@ class EndpointClient:
             raise FatalEndpointError(str(self._fatal))
         uid = None
         try:
-            if self.disk is not None and self.disk.full:
+            if self.disk is not None and self.disk.stopped:
                 raise SendingHalted(str(self.disk.error))
             if self.ledger is not None and tag is not None:
                 timeout_s = self.cfg.endpoint.request_timeout_s
                 try:
                     uid = self.ledger.sent(tag.sample_id, tag.dataset, tag.part, worst_usd, timeout_s)
                 except OSError as exc:
-                    if self.disk is not None and self.disk.filled(exc):
+                    if self.disk is not None and self.disk.write_failed(exc):
                         raise SendingHalted(str(exc)) from exc
                     raise
         except BaseException:

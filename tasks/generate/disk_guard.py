@@ -10,16 +10,23 @@ only what was never answered.
 
 The reserve is a real allocation (`posix_fallocate`): on a file system that does not reserve blocks for it
 (copy-on-write or compressing ones, such as ZFS) it still guards against running out, but not reliably.
+
+A disk that fails instead (EIO from a dying device, a read-only remount after file-system errors, a network file
+system gone stale) stops new requests the same way, for the same reason: an answer bought then has nowhere to go.
+The answers in flight are still awaited, and what the run directory could not take is written to the spill
+directory on another disk (`tasks.generate.spill`), which the next run takes back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from tasks.common.config import PipelineConfig
 from tasks.common.errors import DiskFullError
@@ -52,8 +59,9 @@ def reserve_bytes(cfg: PipelineConfig) -> int:
 
 
 class DiskGuard:
-    """One generate run's reserve, and whether its disk has filled. Thread-safe: the journal's and the spend
-    ledger's writer threads report a full disk as well as the event loop's commits."""
+    """One generate run's reserve, and whether its disk has stopped taking writes (filled, or failed).
+    Thread-safe: the journal's and the spend ledger's writer threads report a failed write as well as the event
+    loop's commits."""
 
     def __init__(self, run_dir: Path, size_bytes: int) -> None:
         self.path = run_dir / RESERVE_NAME
@@ -61,13 +69,22 @@ class DiskGuard:
         self.error: OSError | None = None
         self.in_flight: Callable[[], int] = lambda: 0
         """How many requests are in flight now (the engine's window); read once, when the disk fills."""
-        self.in_flight_at_fill = 0
+        self.in_flight_at_stop = 0
         self._lock = threading.Lock()
         self._held = False
 
     @property
-    def full(self) -> bool:
+    def stopped(self) -> bool:
+        """A write to the run directory failed: nothing more is sent."""
         return self.error is not None
+
+    @property
+    def cause(self) -> Literal["full", "failed"] | None:
+        """`full`: there will be room once space is freed (the logs hold their records until then); `failed`:
+        the disk itself refuses (its records go to the spill directory)."""
+        if self.error is None:
+            return None
+        return "full" if is_disk_full(self.error) else "failed"
 
     def claim(self) -> None:
         """Allocate the reserve before anything is sent. Raises `DiskFullError` when the disk lacks even that:
@@ -95,15 +112,16 @@ class DiskGuard:
         os.close(fd)
         self._held = True
 
-    def filled(self, exc: OSError) -> bool:
-        """Report a write that failed; True (and the reserve is freed for the answers in flight) when it is the
-        disk being full."""
-        if not is_disk_full(exc):
-            return False
+    def write_failed(self, exc: OSError) -> bool:
+        """Report a write to the run directory that failed: from now on nothing is sent, and the reserve is freed
+        for the answers in flight. Always True: whatever the errno, an answer bought now could not be kept, and the
+        writer keeps its records (for the room a full disk regains, or the spill directory)."""
         with self._lock:
             if self.error is None:
                 self.error = exc
-                self.in_flight_at_fill = self.in_flight()
+                self.in_flight_at_stop = self.in_flight()
+            elif is_disk_full(self.error) and not is_disk_full(exc):
+                self.error = exc  # a disk that filled and then failed: freeing space no longer helps
             self._free()
         return True
 
@@ -113,5 +131,6 @@ class DiskGuard:
 
     def _free(self) -> None:
         if self._held:
-            self.path.unlink(missing_ok=True)
             self._held = False
+            with contextlib.suppress(OSError):  # a failed disk: the reserve goes with it
+                self.path.unlink(missing_ok=True)

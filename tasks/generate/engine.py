@@ -36,7 +36,7 @@ import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
 from tasks.common.config import PipelineConfig
-from tasks.common.errors import DiskFullError, EndpointUnavailableError, FatalEndpointError
+from tasks.common.errors import DiskFailedError, DiskFullError, EndpointUnavailableError, FatalEndpointError
 from tasks.common.failures import failure_class
 from tasks.common.messages import prompt_messages
 from tasks.common.schemas import RESPONSES
@@ -68,11 +68,21 @@ from tasks.generate.endpoints import CompletionMarkers, GenerationResult, reques
 from tasks.generate.heap_trim import trimmed_heap
 from tasks.generate.journal import AppendLog
 from tasks.generate.ledger import LedgerWriter, SpendLedger, SpendTotals
-from tasks.generate.progress import Listener, ProgressSnapshot, RunEvent, emit, emit_event, format_usd
+from tasks.generate.progress import (
+    Listener,
+    ProgressSnapshot,
+    RunEvent,
+    RunEventKind,
+    emit,
+    emit_event,
+    format_usd,
+    plural,
+)
 from tasks.generate.reasoning_guard import UnexpectedReasoning
 from tasks.generate.rerun_policy import RerunRules, settings_fingerprint
 from tasks.generate.run_lock import run_dir_lock
 from tasks.generate.settlement import Settler, pending_notice
+from tasks.generate.spill import Spilled, spill_dir, spill_logs, take_back
 from tasks.reconstruct.multiturn import ConversationTurn, template_messages
 from tasks.reconstruct.tokenizer_loading import load_tokenizer
 
@@ -398,33 +408,39 @@ class _Run:
         self.unexpected_reasoning = UnexpectedReasoning(
             bool(client.markers.reasoning_close), cfg.tokenizer.completion_format_name
         )
-        self._told_disk_full = False
+        self._told_disk_stopped = False
 
     @property
-    def disk_full(self) -> bool:
-        return self.client.disk is not None and self.client.disk.full
+    def disk_stopped(self) -> bool:
+        return self.client.disk is not None and self.client.disk.stopped
 
-    def tell_disk_full(self) -> None:
-        """Once, when the engine first sees the disk full: what it does about it."""
+    def tell_disk_stopped(self) -> None:
+        """Once, when the engine first sees the disk stop taking writes: what it does about it."""
         guard = self.client.disk
-        if self._told_disk_full or guard is None or not guard.full:
+        if self._told_disk_stopped or guard is None or not guard.stopped:
             return
-        self._told_disk_full = True
-        emit_event(
-            RunEvent(
-                "disk_full",
-                f"the disk holding {self.cfg.run_dir} filled ({guard.error}): "
-                f"no new request is sent; the {self.client.window.in_flight} still in flight are awaited and "
-                "every answer is journaled into the space generate reserved at its start, then the run stops "
-                "(exit 2)",
-                time.monotonic() - self.started,
+        self._told_disk_stopped = True
+        in_flight = self.client.window.in_flight
+        if guard.cause == "full":
+            kind: RunEventKind = "disk_full"
+            message = (
+                f"the disk holding {self.cfg.run_dir} filled ({guard.error}): no new request is sent; the "
+                f"{in_flight} still in flight are awaited and every answer is journaled into the space generate "
+                "reserved at its start, then the run stops (exit 2)"
             )
-        )
+        else:
+            kind = "disk_failed"
+            message = (
+                f"the disk holding {self.cfg.run_dir} failed ({guard.error}): no new request is sent; the "
+                f"{in_flight} still in flight are awaited, then every answer not in a Parquet file is written to "
+                f"{spill_dir(self.cfg)} (endpoint.spill_dir) and the run stops (exit 2)"
+            )
+        emit_event(RunEvent(kind, message, time.monotonic() - self.started))
 
     def work(self) -> Iterator[tuple[_PartState, _WorkItem]]:
         for state in self.states:
             for item in state.todo:
-                if self.client.budget.stopped or self.disk_full:
+                if self.client.budget.stopped or self.disk_stopped:
                     return
                 yield state, item
 
@@ -586,21 +602,21 @@ class _Run:
         )
 
     def commit_due(self) -> bool:
-        if self.uncommitted == 0 or self.disk_full:
+        if self.uncommitted == 0 or self.disk_stopped:
             return False
         ep = self.cfg.endpoint
         return self.uncommitted >= ep.commit_every_samples or time.monotonic() - self.last_commit >= ep.commit_every_s
 
     def seconds_to_commit(self) -> float | None:
         """How long to wait for results before a time-based commit; None when there is nothing to commit."""
-        if self.uncommitted == 0 or self.disk_full:
+        if self.uncommitted == 0 or self.disk_stopped:
             return None
         return max(0.0, self.last_commit + self.cfg.endpoint.commit_every_s - time.monotonic())
 
     async def commit(self) -> None:
         """Finalize complete parts, write the other buffers as chunks; file I/O runs off the event loop. A
         disk that fills here is the run's `DiskGuard`'s to handle (rows stay buffered, and journaled)."""
-        if self.disk_full:
+        if self.disk_stopped:
             return
         async with self._write_lock:
             try:
@@ -615,7 +631,7 @@ class _Run:
                         await asyncio.to_thread(_write_chunk, state, rows, self.provenance)
                         del state.buffer[: len(rows)]
             except OSError as exc:
-                if self.client.disk is None or not self.client.disk.filled(exc):
+                if self.client.disk is None or not self.client.disk.write_failed(exc):
                     raise
                 return
             self.uncommitted = 0
@@ -625,7 +641,7 @@ class _Run:
 
     def commit_now(self) -> None:
         """Synchronous commit for the failure path, where awaiting is no longer safe."""
-        if self.disk_full:
+        if self.disk_stopped:
             return
         for state in self.states:
             if state.finalized:
@@ -638,16 +654,17 @@ class _Run:
                 state.buffer = []
         self.uncommitted = 0
 
-    async def disk_full_error(self) -> DiskFullError:
-        """Once the answers in flight have arrived: wait for their journal records (and spend records) to be
-        written, up to `endpoint.outage_abort_s` while the disk has no room even after the reserve, then say what
-        was kept."""
+    async def disk_stopped_error(self) -> DiskFullError | DiskFailedError:
+        """Once the answers in flight have arrived: on a full disk, wait for their journal records (and spend
+        records) to be written, up to `endpoint.outage_abort_s` while there is no room even after the reserve; on a
+        failed disk, or a full one that never made room, write them to the spill directory. Then say what was
+        kept, and where."""
         guard = self.client.disk
         assert guard is not None
         logs = [log for log in (self.journal, self.ledger.log if self.ledger else None) if log is not None]
         deadline = time.monotonic() + self.cfg.endpoint.outage_abort_s
         told = False
-        while any(log.unwritten for log in logs) and time.monotonic() < deadline:
+        while guard.cause == "full" and any(log.unwritten for log in logs) and time.monotonic() < deadline:
             if not told:
                 unwritten = self.journal.unwritten if self.journal else 0
                 emit_event(
@@ -661,9 +678,17 @@ class _Run:
                 )
                 told = True
             await asyncio.sleep(0.5)
-        lost = self.journal.unwritten if self.journal else 0
         held = sum(len(state.buffer) for state in self.states)
-        return DiskFullError(_disk_full_line(self.cfg.run_dir, guard, held, lost))
+        if guard.cause == "full" and not any(log.unwritten for log in logs):
+            return DiskFullError(_disk_full_line(self.cfg.run_dir, guard, held))
+        if self.journal is not None:  # every answer not in a chunk or part, whatever reached the disk's journal
+            for state in self.states:
+                for row in state.buffer:
+                    self.journal.submit({"p": state.prompts.part, "r": row})
+        spilled = await asyncio.to_thread(spill_logs, self.cfg, logs)
+        if guard.cause == "full":
+            return DiskFullError(_disk_full_line(self.cfg.run_dir, guard, held, spilled))
+        return DiskFailedError(_disk_failed_line(self.cfg.run_dir, guard, held, spilled))
 
 
 def budget_stop_message(
@@ -743,9 +768,10 @@ def _length_error(result: GenerationResult, max_tokens: int, hint: str = FINAL_A
     )
 
 
-def _disk_full_line(run_dir: Path, guard: DiskGuard, held: int, lost: int) -> str:
-    """The one line of a run the disk stopped: what filled, what was kept, what to do. `held`: answers not in a
-    Parquet part or chunk (commits stop when the disk fills), so in the journal unless `lost`."""
+def _disk_full_line(run_dir: Path, guard: DiskGuard, held: int, spilled: Spilled | None = None) -> str:
+    """The one line of a run a full disk stopped: what filled, what was kept, what to do. `held`: answers not in a
+    Parquet part or chunk (commits stop when the disk fills), so in the journal, or in the spill directory when
+    the disk never made room for them (`spilled`)."""
     try:
         free = f"{shutil.disk_usage(run_dir).free / MIB:.1f} MiB free now"
     except OSError:
@@ -754,15 +780,37 @@ def _disk_full_line(run_dir: Path, guard: DiskGuard, held: int, lost: int) -> st
     if not guard.size_bytes:
         reserve = "no space reserved: endpoint.disk_reserve_mib is 0"
     kept = f"kept every answer: the {held} not yet in a Parquet file are in the journal ({reserve})"
-    if lost:
+    if spilled is not None:
         kept = (
-            f"kept what it could: {held - lost} answers not yet in a Parquet file are in the journal ({reserve}), "
-            f"{lost} could not be written and are lost (their cost is in the spend ledger)"
+            f"found no room for them ({reserve}): the {held} answers not yet in a Parquet file {_spill_words(spilled)}"
         )
     return (
         f"the disk holding {run_dir} filled ({free}; {guard.error}): generate stopped sending, waited for the "
-        f"{guard.in_flight_at_fill} requests in flight then (billed whatever happens) and {kept}; free space and "
+        f"{guard.in_flight_at_stop} requests in flight then (billed whatever happens) and {kept}; free space and "
         "rerun: no answered sample is sent again"
+    )
+
+
+def _disk_failed_line(run_dir: Path, guard: DiskGuard, held: int, spilled: Spilled) -> str:
+    """The one line of a run whose disk failed: what failed, where the answers went, what to do."""
+    return (
+        f"the disk holding {run_dir} failed ({guard.error}): generate stopped sending, waited for the "
+        f"{guard.in_flight_at_stop} requests in flight then (billed whatever happens), and the {held} answers not "
+        f"yet in a Parquet file {_spill_words(spilled)}; once {run_dir} can be written again, rerun: no answered "
+        "sample is sent again"
+    )
+
+
+def _spill_words(spilled: Spilled) -> str:
+    if spilled.error is not None:
+        return (
+            f"could not be written to the spill directory either ({spilled.error}; endpoint.spill_dir): they are "
+            "lost, and the spend records of their requests may be too (a key only this run directory uses counts "
+            "them: endpoint.account_settlement: exclusive_key)"
+        )
+    return (
+        f"were written with this run's last spend records to {spilled.folder} (endpoint.spill_dir), which the "
+        "next generate run of this run directory takes back before anything else"
     )
 
 
@@ -779,6 +827,8 @@ def stop_reason(failure: BaseException) -> str:
         return "the endpoint refused the run"
     if isinstance(failure, DiskFullError):
         return "the disk is full (a rerun resumes once there is room)"
+    if isinstance(failure, DiskFailedError):
+        return "the disk failed (a rerun resumes once it can be written)"
     return f"failed ({type(failure).__name__})"
 
 
@@ -878,10 +928,10 @@ async def _generate_async(
                     raise error
                 if run.commit_due() or run.complete_parts:
                     await run.commit()
-                run.tell_disk_full()
+                run.tell_disk_stopped()
             await run.commit()
-            if run.disk_full:
-                raise await run.disk_full_error()
+            if run.disk_stopped:
+                raise await run.disk_stopped_error()
             await settler.after_run(cfg.run_dir)
             if client.unreconciled:
                 emit_event(
@@ -1011,6 +1061,16 @@ def _generate_locked(
     on_commit: CommitListener | None,
 ) -> GenerateSummary:
     ep = cfg.endpoint
+    taken = take_back(cfg)
+    if taken is not None:
+        emit_event(
+            RunEvent(
+                "disk_failed",
+                f"took back {plural(taken.segments, 'log segment')} ({taken.bytes / 1024:.0f} KiB of answers and "
+                f"spend records) that an earlier run wrote to {taken.folder} when this run directory's disk failed",
+                0.0,
+            )
+        )
     ledger = SpendLedger.load(cfg.run_dir)
     rules = RerunRules.of(cfg, ledger.deterministic)
     parts = {ref.part for ref in prompt_refs}
@@ -1045,11 +1105,11 @@ def _generate_locked(
             tokenizer = load_tokenizer(cfg.tokenizer)
         disk = DiskGuard(cfg.run_dir, reserve_bytes(cfg) if pending else 0)
         disk.claim()
-        writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s, disk.filled)
+        writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s, disk.write_failed)
         journal = None
         if pending:
             journal = AppendLog(
-                journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s, disk.filled
+                journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s, disk.write_failed
             )
         try:
             with tuned_collector(), trimmed_heap():
@@ -1065,8 +1125,8 @@ def _generate_locked(
             disk.close()
             if on_commit is not None:
                 on_commit.closed()
-            if journal is not None and all(not s.buffer for s in pending):  # every row is in a chunk or a part
-                journal.path.unlink(missing_ok=True)
+            if journal is not None and not disk.stopped and all(not s.buffer for s in pending):
+                journal.path.unlink(missing_ok=True)  # every row is in a chunk or a part
         stopped = run.client.budget.stopped
         summary.peak_in_flight = run.client.window.peak_in_flight
         summary.window_shrinks = run.client.window.shrinks

@@ -15,15 +15,22 @@ Two ways in, for two durability needs:
 The writer thread sleeps while it has nothing to write or fsync (a run waiting on long streams, an outage), and
 the first record after that wakes it: an idle log costs no CPU, and fsyncs only follow writes.
 
-A write the disk cannot take (full, or over quota) is cut back to the last whole frame, so records appended once
-there is room again still read back (a torn frame in the middle hides every record after it). The writer then
-holds the encoded records and tries them again every `DISK_FULL_RETRY_S`, having told `on_disk_full` (the run's
-`DiskGuard`, which stops new requests and frees its reserve for them); `write_now` raises, so the request it was
-to record is not sent. Any other write error ends the writer and is raised by the next `submit`.
+A write the disk cannot take (full, over quota, or failing: EIO, a read-only remount) is cut back to the last
+whole frame, so records appended once there is room again still read back (a torn frame in the middle hides every
+record after it). The writer then holds the encoded records and tries them again every `DISK_FULL_RETRY_S`, having
+told `on_write_error` (the run's `DiskGuard`, which stops new requests and frees its reserve for them); `write_now`
+raises, so the request it was to record is not sent. A write error the guard does not take ends the writer and is
+raised by the next `submit`.
+
+The frames appended since the last fsync that succeeded are kept in memory too: a disk that fails loses them with
+its page cache (a `sent` record among them is a billed request the ledger no longer shows), and after a failed
+fsync the kernel may mark them clean unwritten. `spill_to` writes them, and every record held or queued, to a
+segment on another disk (`tasks.generate.spill`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -34,6 +41,8 @@ from collections.abc import Callable, Generator, Iterator
 from json.encoder import c_make_encoder, encode_basestring, encode_basestring_ascii  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
+
+from tasks.common.shards import atomic_write_bytes
 
 HEADER = struct.Struct("<II")  # payload length, CRC32 of the payload
 MAX_RECORD_BYTES = 256 * 1024**2
@@ -154,14 +163,14 @@ class AppendLog:
     """One segment opened for appending, with a group-commit writer thread (see the module docstring)."""
 
     def __init__(
-        self, path: Path, group_commit_s: float = 0.2, on_disk_full: Callable[[OSError], bool] | None = None
+        self, path: Path, group_commit_s: float = 0.2, on_write_error: Callable[[OSError], bool] | None = None
     ) -> None:
-        """`on_disk_full(error)`: told of a write that failed; True when the error is the disk being full (the
-        records are kept and written again), False ends the writer."""
+        """`on_write_error(error)`: told of a write that failed; True keeps the records (written again every
+        `DISK_FULL_RETRY_S`, or spilled), False ends the writer."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.group_commit_s = group_commit_s
-        self.on_disk_full = on_disk_full
+        self.on_write_error = on_write_error
         self.bytes_written = 0
         self.records_written = 0
         self.cpu_s = 0.0
@@ -170,6 +179,7 @@ class AppendLog:
         self._queue: list[Any] = []
         self._queue_lock = threading.Lock()
         self._held: list[tuple[bytes, int]] = []  # encoded batches the disk had no room for, and their counts
+        self._unsynced: list[tuple[bytes, int]] = []  # written since the last fsync that succeeded
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
@@ -188,14 +198,14 @@ class AppendLog:
             try:
                 self._append(frame)
             except OSError as exc:
-                if self.on_disk_full is not None:
-                    self.on_disk_full(exc)
+                if self.on_write_error is not None:
+                    self.on_write_error(exc)
                 raise
             self.records_written += 1
         if self._idle:
             self._wake.set()
 
-    def _append(self, data: bytes) -> None:
+    def _append(self, data: bytes, count: int = 1) -> None:
         """All of `data`, or none of it: a short write (the disk filling mid-frame) is written on, and a failure
         cuts the segment back to where it was. Called with `_lock` held."""
         view = memoryview(data)
@@ -203,11 +213,13 @@ class AppendLog:
             while view:
                 view = view[os.write(self._fd, view) :]
         except OSError:
-            os.ftruncate(self._fd, self._size)
+            with contextlib.suppress(OSError):  # a failed disk refuses this too; `spill_to` still holds the frame
+                os.ftruncate(self._fd, self._size)
             raise
         self._size += len(data)
         self.bytes_written += len(data)
         self._dirty = True
+        self._unsynced.append((data, count))
 
     def submit(self, record: Any) -> None:
         """Queue for the next group commit; never blocks on I/O."""
@@ -236,7 +248,7 @@ class AppendLog:
             try:
                 self._flush(sync=time.monotonic() - self._last_fsync >= self.group_commit_s)
             except OSError as exc:
-                if self.on_disk_full is None or not self.on_disk_full(exc):
+                if self.on_write_error is None or not self.on_write_error(exc):
                     self._error = exc
                     return
                 self._wake.wait(DISK_FULL_RETRY_S)  # the records are held: written once there is room
@@ -254,18 +266,44 @@ class AppendLog:
             while self._held:
                 data, count = self._held[0]
                 with self._lock:
-                    self._append(data)
+                    self._append(data, count)
                 self._held.pop(0)
                 self.records_written += count
             if sync and self._dirty:
-                self._dirty = False  # before the fsync: a write racing it stays dirty for the next one
+                with self._lock:
+                    self._dirty = False  # before the fsync: a write racing it stays dirty for the next one
+                    covered = len(self._unsynced)
                 os.fsync(self._fd)
+                with self._lock:
+                    del self._unsynced[:covered]
                 self._last_fsync = time.monotonic()
             self.cpu_s += time.thread_time() - started
 
     def flush(self) -> None:
         """Everything submitted so far is written and fsynced when this returns (caller's thread)."""
         self._flush()
+
+    def spill_to(self, path: Path) -> int:
+        """Stop this log and write what its disk may not hold (the frames since its last fsync that succeeded, and
+        every record held or queued) to a new segment at `path`, fsynced; returns how many records that is. For a
+        disk that failed: a segment read after this log's (segment names sort by start) replays them, and records
+        that did reach the disk as well are applied twice, which readers allow for."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+        with self._flush_lock, self._lock:
+            with self._queue_lock:
+                batch, self._queue = self._queue, []
+            if batch:
+                self._held.append((b"".join(encode_frame(record) for record in batch), len(batch)))
+            pieces = [*self._unsynced, *self._held]
+            self._unsynced, self._held = [], []
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        count = sum(n for _, n in pieces)
+        if count:
+            atomic_write_bytes(path, b"".join(data for data, _ in pieces))
+        return count
 
     def close(self) -> None:
         if self._closed:
@@ -276,7 +314,7 @@ class AppendLog:
         try:
             self._flush()
         except OSError as exc:  # still no room: what is left unwritten is `unwritten`, for the caller to report
-            if self.on_disk_full is None or not self.on_disk_full(exc):
+            if self.on_write_error is None or not self.on_write_error(exc):
                 raise
         finally:
             os.close(self._fd)

@@ -183,6 +183,8 @@ class SpendLedger:
         """Fold one record in; False when it names an attempt not seen yet (the caller may apply it later)."""
         kind = rec.get("k")
         if kind == "s":
+            if rec["a"] in self.attempts:  # a spilled segment repeats what reached the failed disk as well
+                return True
             self.attempts[rec["a"]] = Attempt(
                 rec["id"], rec["d"], rec["p"], rec["w"], rec.get("t"), timeout_s=rec.get("to")
             )
@@ -267,10 +269,10 @@ class LedgerWriter:
     Each method returns the record it wrote, so a caller can fold it into its in-memory `SpendLedger`."""
 
     def __init__(
-        self, run_dir: Path, group_commit_s: float, on_disk_full: Callable[[OSError], bool] | None = None
+        self, run_dir: Path, group_commit_s: float, on_write_error: Callable[[OSError], bool] | None = None
     ) -> None:
         self.token = segment_token()
-        self.log = AppendLog(ledger_dir(run_dir) / f"ledger-{self.token}.log", group_commit_s, on_disk_full)
+        self.log = AppendLog(ledger_dir(run_dir) / f"ledger-{self.token}.log", group_commit_s, on_write_error)
         self._ids = itertools.count()
 
     def sent(self, sample_id: str, dataset: str, part: int, worst_usd: float, timeout_s: float | None = None) -> str:

@@ -104,6 +104,7 @@ RunEventKind = Literal[
     "account_wait",
     "no_cap",
     "disk_full",
+    "disk_failed",
 ]
 
 
@@ -129,6 +130,7 @@ EVENT_LABELS: dict[str, str] = {
     "account_wait": "key's account",
     "no_cap": "no cost cap",
     "disk_full": "the disk is full",
+    "disk_failed": "the disk failed",
 }
 
 

@@ -13,6 +13,7 @@ from tasks.common.shards import done_parts
 from tasks.generate.chunks import STAGE, unfinished_answer_rows
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.progress import format_usd
+from tasks.generate.spill import spill_folder, spill_root, waiting_segments
 
 
 def answers_in_unfinished_parts(run_dir: Path) -> dict[str, int]:
@@ -28,8 +29,9 @@ def spend_summary(run_dir: Path) -> dict[str, Any]:
     return SpendLedger.load(run_dir).totals().to_dict()
 
 
-def status_notes(run_dir: Path) -> list[str]:
-    """One line for the spend ledger, one for answers in unfinished parts (when there are any)."""
+def status_notes(run_dir: Path, spill_dir_setting: Path | None = None) -> list[str]:
+    """One line for the spend ledger, one for answers in unfinished parts and one for a failed disk's spilled
+    answers (when there are any). `spill_dir_setting`: the config's `endpoint.spill_dir`, when status has one."""
     spend = spend_summary(run_dir)
     lines = [
         f"spend ledger: {format_usd(spend['billed_usd'])} billed, {format_usd(spend['pending_usd'])} pending at "
@@ -42,5 +44,13 @@ def status_notes(run_dir: Path) -> list[str]:
             f"responses: {sum(waiting.values())} answers ({by}) are committed in unfinished parts "
             "(responses/_chunks, or journaled in responses/_journal by a run killed or stopped by a full disk) and "
             "counted as missing until their part finishes; they are kept, and the next run does not buy them again"
+        )
+    root = spill_root(spill_dir_setting)
+    spilled = waiting_segments(run_dir, root)
+    if spilled:
+        lines.append(
+            f"spilled: {len(spilled)} log segments with answers and spend records that generate wrote to "
+            f"{spill_folder(run_dir, root)} when this run directory's disk failed wait there (not counted above): "
+            "the next generate run takes them back before it sends anything"
         )
     return lines

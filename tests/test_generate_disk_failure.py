@@ -1,0 +1,189 @@
+"""The run directory's disk failing mid-run (EIO, then a disk that is back after a remount): generate stops buying,
+writes the answers in flight and its last spend records to the spill directory, and the rerun takes them back, so
+no answer is bought twice and the ledger equals the bill. On a real ext4 file system on a loop device, shut down
+with the kernel's own ioctl (`EXT4_IOC_SHUTDOWN`, what `xfs_io -c shutdown` sends): every later read, write and
+fsync fails with EIO, and what was written but not yet committed to the file system's journal is lost, as when a
+device dies. Needs root and a loop device (CI and the dev machines have both); skipped otherwise."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from endpoint_sim.responder import SimConfig
+from endpoint_sim.server import SimulatorServer
+from flows.exit_codes import ExitCode
+from tasks.common.shards import done_parts, read_part
+from tasks.generate.disk_guard import DiskGuard
+from tasks.generate.journal import AppendLog, read_records
+from tasks.generate.spill import spill_folder
+from tests.conftest import REPO
+from tests.test_generate_disk_full import ledger_sent
+from tests.test_generate_money import billed, check_ledger_against_provider, write_dataset
+
+PROMPTS = 400
+IN_FLIGHT = 48
+EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
+GOING_NOLOGFLUSH = 2
+"""Stop at once without committing the file system's journal: writes since its last commit are lost."""
+
+
+class DyingDisk:
+    def __init__(self, image: Path, mount: Path) -> None:
+        self.image, self.mount = image, mount
+
+    def die(self) -> None:
+        fd = os.open(self.mount, os.O_RDONLY)
+        try:
+            fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, struct.pack("I", GOING_NOLOGFLUSH))
+        finally:
+            os.close(fd)
+
+    def back(self) -> None:
+        """The disk returns: unmounted and mounted again (ext4 replays its journal)."""
+        subprocess.run(["umount", str(self.mount)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(self.image), str(self.mount)], check=True)
+
+
+@pytest.fixture()
+def dying_disk(tmp_path: Path) -> Iterator[DyingDisk]:
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("mount", "mkfs.ext4", "losetup")):
+        pytest.skip("a loop-mounted ext4 file system needs root, mount and mkfs.ext4")
+    image, mount = tmp_path / "disk.img", tmp_path / "disk"
+    mount.mkdir()
+    with image.open("wb") as fh:
+        fh.truncate(64 * 1024**2)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    mounted = made.returncode == 0 and (
+        subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True).returncode == 0
+    )
+    if not mounted:
+        pytest.skip(f"cannot mount a loop device here: {made.stderr.strip()}")
+    try:
+        yield DyingDisk(image, mount)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+
+
+def test_a_failed_disk_spills_the_answers_in_flight_and_the_rerun_buys_each_once(
+    dying_disk: DyingDisk, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """The disk dies while 48 requests are in flight: one line, exit 2; the answers and the spend records the
+    disk lost are in the spill folder; once the disk is back the rerun takes them back and sends only what was
+    never answered, and the ledger equals the simulator's bill. Before: an internal error (exit 1), the answers in
+    flight bought again by the rerun (209 of 3,000 at 200 in flight), and the billed requests whose `sent` records
+    died with the page cache (27) in no ledger, so the directory counted less than the bill."""
+    data = tmp_path / "prompts.jsonl"
+    write_dataset(data, PROMPTS, tag="dying")
+    run_dir = dying_disk.mount / "run"
+    spill_root = tmp_path / "spill"
+    config = tmp_path / "config.yaml"
+    sim_config = SimConfig(seed=7, latency_lognormal=(math.log(0.4), 0.3), reasoning_words=(20, 60))
+    with SimulatorServer(tokenizer_dir, sim_config) as sim:
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_dir": str(run_dir),
+                    "samples_per_shard": 100,
+                    "datasets": [{"name": "dying", "path": str(data)}],
+                    "endpoint": {
+                        "base_url": sim.base_url,
+                        "model": "sim/deepseek-v4-sim",
+                        "max_in_flight": IN_FLIGHT,
+                        "commit_every_s": 0.5,
+                        "price_prompt_usd_per_mtok": 0.6,
+                        "price_completion_usd_per_mtok": 2.5,
+                        "max_cost_usd": 5.0,
+                        "spill_dir": str(spill_root),
+                    },
+                    "sampling": {"max_tokens": 512},
+                    "tokenizer": {"path": str(tokenizer_dir)},
+                }
+            )
+        )
+        cmd = [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"]
+        first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while ledger_sent(run_dir) < PROMPTS // 4:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        dying_disk.die()
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == ExitCode.USER, out + err
+        assert "Traceback" not in err, err
+        line = err.strip().splitlines()[-1]
+        folder = spill_folder(run_dir, spill_root)
+        assert line.startswith(f"error: the disk holding {run_dir} failed ([Errno 5] "), line
+        found = re.search(r"waited for the (\d+) requests in flight then .* the (\d+) answers not yet in a ", line)
+        assert found is not None and str(folder) in line, line
+        in_flight, spilled = int(found.group(1)), int(found.group(2))
+        assert 0 < in_flight <= IN_FLIGHT and spilled >= in_flight
+        billed_first = len(billed(sim))
+        segments = [p.name for p in folder.rglob("*.spill.log")]
+        assert any(n.startswith("ledger-") for n in segments) and any(n.startswith("journal-") for n in segments)
+
+        dying_disk.back()
+        on_disk = ledger_sent(run_dir)
+        status = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "status", str(run_dir), "--config", str(config)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert f"spilled: {len(segments)} log segments" in status.stdout and str(folder) in status.stdout, status
+        second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert f"took back {len(segments)} log segments" in second.stderr, second.stderr
+        total = json.loads(second.stdout.strip().splitlines()[-1])
+        print(f"first run: {billed_first} billed, {in_flight} in flight at the failure, {spilled} answers spilled")
+        print(f"sent records on the disk once it was back: {on_disk}; rerun sent {total['requests_sent']}")
+        assert total["requests_sent"] == PROMPTS - billed_first, "an answer paid for in the first run was bought again"
+        assert not folder.exists(), "the spill folder is emptied once taken back"
+        ledger = check_ledger_against_provider(run_dir, sim)
+        totals = ledger.totals()
+        assert (totals.attempts, totals.settled_attempts, totals.pending_attempts) == (PROMPTS, 0, 0)
+        assert totals.billed_usd == pytest.approx(sum(r["cost_usd"] for r in billed(sim)))
+        rows = [row for ref in done_parts(run_dir, "responses") for row in read_part(ref).to_pylist()]
+        assert len(rows) == PROMPTS and {row["status"] for row in rows} == {"done"}
+        assert len({row["sample_id"] for row in rows}) == PROMPTS
+
+
+def _records_after_death(dying_disk: DyingDisk, write: Callable[[AppendLog], None]) -> tuple[int, list[object]]:
+    guard = DiskGuard(dying_disk.mount, 0)
+    log = AppendLog(dying_disk.mount / "journal.log", group_commit_s=60, on_write_error=guard.write_failed)
+    write(log)
+    dying_disk.die()
+    target = dying_disk.mount.parent / "spilled" / "journal.spill.log"
+    count = log.spill_to(target)
+    return count, list(read_records(target))
+
+
+def test_spill_holds_what_the_disk_may_have_lost_and_what_it_refused(dying_disk: DyingDisk) -> None:
+    """Frames written since the last fsync that succeeded (lost with a dying disk's page cache) and records
+    submitted after it failed both reach the spill segment, in order; fsynced ones do not."""
+    late = [{"n": i, "pad": "z" * 300} for i in range(50)]
+
+    def write(log: AppendLog) -> None:
+        log.write_now({"n": -1})
+        log.flush()
+        log.write_now({"n": -2})
+        for record in late:
+            log.submit(record)
+
+    count, records = _records_after_death(dying_disk, write)
+    assert records == [{"n": -2}, *late] and count == len(records)
