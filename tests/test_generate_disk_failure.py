@@ -26,9 +26,11 @@ import yaml
 from endpoint_sim.responder import SimConfig
 from endpoint_sim.server import SimulatorServer
 from flows.exit_codes import ExitCode
+from tasks.common.artifact_store import RunStore
 from tasks.common.shards import done_parts, read_part
 from tasks.generate.disk_guard import DiskGuard
 from tasks.generate.journal import AppendLog, read_records
+from tasks.generate.ledger import SpendLedger
 from tasks.generate.spill import spill_folder
 from tests.conftest import REPO
 from tests.test_generate_disk_full import ledger_sent
@@ -187,3 +189,70 @@ def test_spill_holds_what_the_disk_may_have_lost_and_what_it_refused(dying_disk:
 
     count, records = _records_after_death(dying_disk, write)
     assert records == [{"n": -2}, *late] and count == len(records)
+
+
+def test_a_failed_disk_on_one_host_costs_the_next_host_nothing(
+    dying_disk: DyingDisk, tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
+) -> None:
+    """With a run store, host a's disk dies mid-generate: its spill goes to the store too, so host b (another
+    machine: its own run directory and spill folder) pulls it, buys none of host a's answers again, and holds
+    every attempt host a made at its billed cost. Without the spill, host b bought again what host a received
+    after its last push (one commit interval) and the answers then in flight."""
+    from tasks.common.shards import PartRef
+    from tests.test_generate import write_prompts
+    from tests.test_store_sync import HOST, run_host
+
+    sim.update_config(latency_s=0.3)
+    url = f"file://{tmp_path / 'bucket'}"
+    configs = {}
+    for name, run_dir in (("a", dying_disk.mount / "run1"), ("b", tmp_path / "b" / "run1")):
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(
+            yaml.safe_dump(
+                {
+                    "run_dir": str(run_dir),
+                    "datasets": [{"name": "ds", "path": str(tokenizer_dir)}],
+                    "endpoint": {
+                        "base_url": sim.base_url,
+                        "model": "sim/deepseek-v4-sim",
+                        "max_in_flight": 8,
+                        "commit_every_s": 0.25,
+                        "spill_dir": str(tmp_path / f"spill-{name}"),
+                    },
+                    "tokenizer": {"path": str(tokenizer_dir)},
+                }
+            )
+        )
+    a = RunStore(url, dying_disk.mount / "run1")
+    for part in range(2):
+        write_prompts(a.local_run_dir, part, 30, "dying-host")
+        a.push_part(PartRef(a.local_run_dir, "prompts", part))
+    first = len(billed(sim))
+    host_a = subprocess.Popen(
+        [sys.executable, "-c", HOST, str(configs["a"]), url],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while ledger_sent(a.local_run_dir) < 20:
+        assert host_a.poll() is None and time.monotonic() < deadline, host_a.communicate()
+        time.sleep(0.02)
+    dying_disk.die()
+    _, err = host_a.communicate(timeout=300)
+    assert host_a.returncode != 0 and "DiskFailedError" in err, err
+
+    run_host(str(configs["b"]), url)
+    records = billed(sim)[first:]
+    by_key: dict[str, int] = {}
+    for record in records:
+        by_key[record["key"]] = by_key.get(record["key"], 0) + 1
+    assert len(by_key) == 60 and max(by_key.values()) == 1, "an answer host a paid for was bought again"
+    ledger = SpendLedger.load(tmp_path / "b" / "run1")
+    known = {a.generation_id: a.billed_usd for a in ledger.attempts.values() if a.generation_id}
+    wrong = [r for r in records if known.get(r["id"]) != pytest.approx(r["cost_usd"], abs=1e-12)]
+    assert not wrong, f"billed generations the ledger lacks or counts wrong: {wrong[:5]}"
+    assert ledger.totals().pending_attempts == 0
+    rows = [row for ref in done_parts(tmp_path / "b" / "run1", "responses") for row in read_part(ref).to_pylist()]
+    assert len(rows) == len({row["sample_id"] for row in rows}) == 60

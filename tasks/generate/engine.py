@@ -113,11 +113,19 @@ class CommitListener(Protocol):
     """Told when the run's logs reach a durable point (`tasks.generate.store_sync.LogMirror` copies them to a run
     store then, so a dead host loses at most one commit interval)."""
 
+    def attach(self, logs: list[AppendLog]) -> None:
+        """The run's open logs, before anything is written: each keeps what it writes in memory until told the
+        store has it (`AppendLog.acknowledge`), for a spill should the disk fail."""
+
     def committed(self) -> None:
         """After each commit, on the event loop: must return at once."""
 
     def closed(self) -> None:
         """After the run closed its journal and ledger segment, before the journal may be deleted; may block."""
+
+    def spilled(self, folder: Path) -> None:
+        """The run's disk failed and what it could not take was written to `folder` (`tasks.generate.spill`),
+        before `closed`; may block."""
 
 
 @dataclass
@@ -1105,12 +1113,14 @@ def _generate_locked(
             tokenizer = load_tokenizer(cfg.tokenizer)
         disk = DiskGuard(cfg.run_dir, reserve_bytes(cfg) if pending else 0)
         disk.claim()
-        writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s, disk.write_failed)
+        mirrored = on_commit is not None
+        writer = LedgerWriter(cfg.run_dir, ep.journal_group_commit_s, disk.write_failed, mirrored)
         journal = None
         if pending:
-            journal = AppendLog(
-                journal_dir(cfg.run_dir) / f"journal-{writer.token}.log", ep.journal_group_commit_s, disk.write_failed
-            )
+            path = journal_dir(cfg.run_dir) / f"journal-{writer.token}.log"
+            journal = AppendLog(path, ep.journal_group_commit_s, disk.write_failed, mirrored)
+        if on_commit is not None:
+            on_commit.attach([log for log in (writer.log, journal) if log is not None])
         try:
             with tuned_collector(), trimmed_heap():
                 run = _run_blocking(
@@ -1124,6 +1134,8 @@ def _generate_locked(
             writer.close()
             disk.close()
             if on_commit is not None:
+                if disk.stopped and spill_dir(cfg).is_dir():
+                    on_commit.spilled(spill_dir(cfg))
                 on_commit.closed()
             if journal is not None and not disk.stopped and all(not s.buffer for s in pending):
                 journal.path.unlink(missing_ok=True)  # every row is in a chunk or a part

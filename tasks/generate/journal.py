@@ -24,8 +24,9 @@ raised by the next `submit`.
 
 The frames appended since the last fsync that succeeded are kept in memory too: a disk that fails loses them with
 its page cache (a `sent` record among them is a billed request the ledger no longer shows), and after a failed
-fsync the kernel may mark them clean unwritten. `spill_to` writes them, and every record held or queued, to a
-segment on another disk (`tasks.generate.spill`).
+fsync the kernel may mark them clean unwritten. A log mirrored to a run store (`keep_until_acknowledged`) keeps
+them until the store has them instead (`acknowledge`): another host never sees this disk, fsynced or not.
+`spill_to` writes them, and every record held or queued, to a segment on another disk (`tasks.generate.spill`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ MAX_RECORD_BYTES = 256 * 1024**2
 PARSE_BATCH = 4096
 WRITE_EVERY_S = 0.02
 DISK_FULL_RETRY_S = 0.2
+KEEP_MAX_BYTES = 256 * 1024**2
+"""Past this, a log waiting for the run store keeps only what is not fsynced (a store that stays unreachable)."""
 
 
 def _json_encoder(ascii_only: bool) -> Callable[[Any], str]:
@@ -163,7 +166,11 @@ class AppendLog:
     """One segment opened for appending, with a group-commit writer thread (see the module docstring)."""
 
     def __init__(
-        self, path: Path, group_commit_s: float = 0.2, on_write_error: Callable[[OSError], bool] | None = None
+        self,
+        path: Path,
+        group_commit_s: float = 0.2,
+        on_write_error: Callable[[OSError], bool] | None = None,
+        keep_until_acknowledged: bool = False,
     ) -> None:
         """`on_write_error(error)`: told of a write that failed; True keeps the records (written again every
         `DISK_FULL_RETRY_S`, or spilled), False ends the writer."""
@@ -179,7 +186,9 @@ class AppendLog:
         self._queue: list[Any] = []
         self._queue_lock = threading.Lock()
         self._held: list[tuple[bytes, int]] = []  # encoded batches the disk had no room for, and their counts
-        self._unsynced: list[tuple[bytes, int]] = []  # written since the last fsync that succeeded
+        self.keep_until_acknowledged = keep_until_acknowledged
+        self._kept: list[tuple[bytes, int, int]] = []  # (frames, count, end offset) not yet safe elsewhere
+        self._kept_bytes = 0
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
@@ -219,7 +228,8 @@ class AppendLog:
         self._size += len(data)
         self.bytes_written += len(data)
         self._dirty = True
-        self._unsynced.append((data, count))
+        self._kept.append((data, count, self._size))
+        self._kept_bytes += len(data)
 
     def submit(self, record: Any) -> None:
         """Queue for the next group commit; never blocks on I/O."""
@@ -272,16 +282,25 @@ class AppendLog:
             if sync and self._dirty:
                 with self._lock:
                     self._dirty = False  # before the fsync: a write racing it stays dirty for the next one
-                    covered = len(self._unsynced)
+                    synced = self._size
                 os.fsync(self._fd)
-                with self._lock:
-                    del self._unsynced[:covered]
+                if not self.keep_until_acknowledged or self._kept_bytes > KEEP_MAX_BYTES:
+                    self.acknowledge(synced)
                 self._last_fsync = time.monotonic()
             self.cpu_s += time.thread_time() - started
 
     def flush(self) -> None:
         """Everything submitted so far is written and fsynced when this returns (caller's thread)."""
         self._flush()
+
+    def acknowledge(self, end: int) -> None:
+        """The segment's first `end` bytes are safe (fsynced, or in the run store): its frames there are dropped."""
+        with self._lock:
+            drop = 0
+            while drop < len(self._kept) and self._kept[drop][2] <= end:
+                self._kept_bytes -= len(self._kept[drop][0])
+                drop += 1
+            del self._kept[:drop]
 
     def spill_to(self, path: Path) -> int:
         """Stop this log and write what its disk may not hold (the frames since its last fsync that succeeded, and
@@ -296,8 +315,8 @@ class AppendLog:
                 batch, self._queue = self._queue, []
             if batch:
                 self._held.append((b"".join(encode_frame(record) for record in batch), len(batch)))
-            pieces = [*self._unsynced, *self._held]
-            self._unsynced, self._held = [], []
+            pieces = [*((data, count) for data, count, _ in self._kept), *self._held]
+            self._kept, self._held, self._kept_bytes = [], [], 0
             with contextlib.suppress(OSError):
                 os.close(self._fd)
         count = sum(n for _, n in pieces)

@@ -269,10 +269,15 @@ class LedgerWriter:
     Each method returns the record it wrote, so a caller can fold it into its in-memory `SpendLedger`."""
 
     def __init__(
-        self, run_dir: Path, group_commit_s: float, on_write_error: Callable[[OSError], bool] | None = None
+        self,
+        run_dir: Path,
+        group_commit_s: float,
+        on_write_error: Callable[[OSError], bool] | None = None,
+        keep_until_acknowledged: bool = False,
     ) -> None:
         self.token = segment_token()
-        self.log = AppendLog(ledger_dir(run_dir) / f"ledger-{self.token}.log", group_commit_s, on_write_error)
+        path = ledger_dir(run_dir) / f"ledger-{self.token}.log"
+        self.log = AppendLog(path, group_commit_s, on_write_error, keep_until_acknowledged)
         self._ids = itertools.count()
 
     def sent(self, sample_id: str, dataset: str, part: int, worst_usd: float, timeout_s: float | None = None) -> str:

@@ -30,11 +30,13 @@ from typing import Any
 from tasks.common.artifact_store import RemoteLog, RunStore
 from tasks.common.shards import fsync_dir, shared_file_mode
 from tasks.generate.chunks import CHUNKS_DIR, JOURNAL_DIR, STAGE
-from tasks.generate.journal import whole_frames_length
+from tasks.generate.journal import AppendLog, whole_frames_length
 from tasks.generate.ledger import LEDGER_DIR
 
 LEDGERS = (LEDGER_DIR, "ledger-*.log")
 JOURNALS = (f"{STAGE}/{JOURNAL_DIR}", "journal-*.log")
+SPILLED_LEDGERS = f"{LEDGERS[0]}/ledger-*.spill.log"
+SPILLED_JOURNALS = f"{JOURNALS[0]}/journal-*.spill.log"
 HELD = ".store-journals-held"  # in the run directory: store journals this host has had locally
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class LogMirror:
         self.stats = PushStats()
         self._stored: dict[tuple[str, str], int] = {}  # (folder, name) -> bytes the store holds
         self._mine: dict[tuple[str, str], list[tuple[int, int]]] = {}  # pieces this process uploaded
+        self._live: dict[str, AppendLog] = {}  # by file name: this run's open logs
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -112,6 +115,11 @@ class LogMirror:
             self._thread = threading.Thread(target=self._loop, name="store-log-mirror", daemon=True)
             self._thread.start()
 
+    def attach(self, logs: list[AppendLog]) -> None:
+        """Logs to tell when a push has put their bytes in the store (`AppendLog.acknowledge`)."""
+        with self._lock:
+            self._live = {log.path.name: log for log in logs}
+
     def committed(self) -> None:
         """The engine committed: push soon, off the event loop (a push under way is followed by one more)."""
         self._wake.set()
@@ -128,9 +136,24 @@ class LogMirror:
             self._push_locked()
             for (folder, name), pieces in self._mine.items():
                 path = self.run_dir / folder / name
-                if folder == LEDGERS[0] and len(pieces) > 1 and path.stat().st_size == self._stored[(folder, name)]:
+                try:
+                    whole = path.stat().st_size == self._stored[(folder, name)]
+                except OSError:  # a failed disk: the pieces stay pieces, which read the same
+                    continue
+                if folder == LEDGERS[0] and len(pieces) > 1 and whole:
                     self.store.put_whole(folder, name, path, pieces)
                     pieces.clear()
+
+    def spilled(self, folder: Path) -> None:
+        """The engine wrote a failed disk's records to the spill `folder` (`tasks.generate.spill`): upload each
+        segment as a log of its own, so the next run pulls it into its run directory on whichever host it runs."""
+        with self._lock:
+            for remote, pattern in ((LEDGERS[0], SPILLED_LEDGERS), (JOURNALS[0], SPILLED_JOURNALS)):
+                for path in sorted(folder.glob(pattern)):
+                    data = path.read_bytes()
+                    self.store.put_piece(remote, path.name, 0, data)
+                    self._stored[(remote, path.name)] = len(data)
+                    self._mine.setdefault((remote, path.name), []).append((0, len(data)))
 
     def close(self) -> None:
         """Stop the pusher after one last push (the run is over, or never started the engine)."""
@@ -187,6 +210,10 @@ class LogMirror:
                         data = fh.read(size - start)
                 except FileNotFoundError:  # a journal the engine just compacted
                     continue
+                except OSError as exc:  # a failed disk: the engine reports it, and spills what it held
+                    self.stats.failures += 1
+                    log.warning("could not read %s to mirror it to %s: %s", path, self.store.url, exc)
+                    continue
                 end = start + whole_frames_length(data)
                 if end == start:
                     continue
@@ -194,6 +221,8 @@ class LogMirror:
                     journals.append(path.name)
                 self.store.put_piece(folder, path.name, start, data[: end - start])
                 self._stored[key] = end
+                if path.name in self._live:
+                    self._live[path.name].acknowledge(end)
                 self._mine.setdefault(key, []).append((start, end))
                 pieces += 1
                 sent += end - start
