@@ -191,6 +191,7 @@ def test_spill_holds_what_the_disk_may_have_lost_and_what_it_refused(dying_disk:
     assert records == [{"n": -2}, *late] and count == len(records)
 
 
+@pytest.mark.slow  # a second end-to-end run, two hosts: make test-long
 def test_a_failed_disk_on_one_host_costs_the_next_host_nothing(
     dying_disk: DyingDisk, tmp_path: Path, sim: SimulatorServer, tokenizer_dir: Path
 ) -> None:
