@@ -32,11 +32,11 @@ from tasks.generate.disk_guard import DiskGuard
 from tasks.generate.journal import AppendLog, read_records
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.spill import spill_folder
-from tests.conftest import REPO
+from tests.conftest import REPO, run_main
 from tests.test_generate_disk_full import ledger_sent
 from tests.test_generate_money import billed, check_ledger_against_provider, write_dataset
 
-PROMPTS = 400
+PROMPTS = 240
 IN_FLIGHT = 48
 EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
 GOING_NOLOGFLUSH = 2
@@ -81,7 +81,7 @@ def dying_disk(tmp_path: Path) -> Iterator[DyingDisk]:
 
 
 def test_a_failed_disk_spills_the_answers_in_flight_and_the_rerun_buys_each_once(
-    dying_disk: DyingDisk, tokenizer_dir: Path, tmp_path: Path
+    dying_disk: DyingDisk, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The disk dies while 48 requests are in flight: one line, exit 2; the answers and the spend records the
     disk lost are in the spill folder; once the disk is back the rerun takes them back and sends only what was
@@ -140,13 +140,7 @@ def test_a_failed_disk_spills_the_answers_in_flight_and_the_rerun_buys_each_once
 
         dying_disk.back()
         on_disk = ledger_sent(run_dir)
-        status = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "status", str(run_dir), "--config", str(config)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        status = run_main(capsys, "status", str(run_dir), "--config", str(config))
         assert f"spilled: {len(segments)} log segments" in status.stdout and str(folder) in status.stdout, status
         second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert second.returncode == 0, second.stdout + second.stderr

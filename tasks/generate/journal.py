@@ -303,8 +303,9 @@ class AppendLog:
             del self._kept[:drop]
 
     def spill_to(self, path: Path) -> int:
-        """Stop this log and write what its disk may not hold (the frames since its last fsync that succeeded, and
-        every record held or queued) to a new segment at `path`, fsynced; returns how many records that is. For a
+        """Stop this log and write what its disk may not hold (the frames not yet safe elsewhere: since its last
+        fsync that succeeded, or its last push to the run store; and every record held or queued) to a new segment
+        at `path`, fsynced; returns how many records that is. For a
         disk that failed: a segment read after this log's (segment names sort by start) replays them, and records
         that did reach the disk as well are applied twice, which readers allow for."""
         self._closed = True

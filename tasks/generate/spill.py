@@ -9,7 +9,8 @@ run directory counted less than the bill.
 
 So the logs of such a run are written, once the answers in flight are in, to `endpoint.spill_dir` (default: a
 folder in the system's temporary directory, another disk than the run directory's on most machines) as ordinary
-log segments: the frames since each log's last fsync that succeeded, and every record held or queued. A segment
+log segments: the frames since each log's last fsync that succeeded (with a run store, since its last push: the
+segments are uploaded too, for a next run on another host), and every record held or queued. A segment
 is named after its log with `.spill` added, so it sorts after the log it continues. The next generate run of that
 run directory (on this machine, or wherever the folder is copied to) moves them into the run directory before it
 reads anything: the ledger then holds every billed request, and the journal's answers go into their parts instead
@@ -28,11 +29,13 @@ from pathlib import Path
 
 from tasks.common.config import PipelineConfig
 from tasks.common.shards import atomic_write_bytes
+from tasks.generate.chunks import JOURNAL_DIR, STAGE
 from tasks.generate.journal import AppendLog
+from tasks.generate.ledger import LEDGER_DIR
 
 DEFAULT_FOLDER = "eagle3-datagen-spill"
 RUN_DIR_NOTE = "run_dir.txt"
-SEGMENT_GLOBS = ("spend/ledger-*.log", "responses/_journal/journal-*.log")
+SEGMENT_GLOBS = (f"{LEDGER_DIR}/ledger-*.log", f"{STAGE}/{JOURNAL_DIR}/journal-*.log")
 
 
 def spill_root(setting: Path | None) -> Path:
