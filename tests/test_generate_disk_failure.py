@@ -251,3 +251,19 @@ def test_a_failed_disk_on_one_host_costs_the_next_host_nothing(
     assert ledger.totals().pending_attempts == 0
     rows = [row for ref in done_parts(tmp_path / "b" / "run1", "responses") for row in read_part(ref).to_pylist()]
     assert len(rows) == len({row["sample_id"] for row in rows}) == 60
+
+
+def test_the_line_blames_the_disk_only_for_a_disk_errno(tmp_path: Path) -> None:
+    """Any failed write stops the run (an answer bought then could not be kept), but only a failing disk's errno
+    is told as the disk failing; the first disk error wins over a full disk that came before it."""
+    import errno
+
+    guard = DiskGuard(tmp_path, 0)
+    assert guard.write_failed(OSError(errno.EMFILE, "Too many open files"))
+    assert guard.stopped and guard.cause == "failed"
+    assert guard.what_failed(tmp_path) == f"a write to {tmp_path} failed"
+    full = DiskGuard(tmp_path, 0)
+    full.write_failed(OSError(errno.ENOSPC, "No space left on device"))
+    assert full.cause == "full"
+    full.write_failed(OSError(errno.EIO, "Input/output error"))
+    assert full.cause == "failed" and full.what_failed(tmp_path) == f"the disk holding {tmp_path} failed"

@@ -236,7 +236,7 @@ class EndpointConfig(StrictModel):
         default=None,
         description="Where generate writes the answers and spend records that the run directory's disk could not "
         "take when it failed mid-run (EIO, a read-only remount, a stale network mount), for the next run to take "
-        "back; choose a folder on another disk. Unset: eagle3-datagen-spill in the system's temporary directory.",
+        "back; choose a folder on another disk. Unset: eagle3-datagen-spill-<uid> in the system's temporary directory.",
     )
 
     @model_validator(mode="before")

@@ -41,6 +41,7 @@ BYTES_PER_TOKEN = 8
 180 tokens), ~13 with them (their JSON). Sized for answers of `AUTO_TOKENS` at most: a larger reserve would refuse
 runs on disks a small one serves, and answers the reserve cannot hold are kept in memory until there is room."""
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FAILED_DISK_ERRNOS = (errno.EIO, errno.EROFS, errno.ESTALE, errno.ENXIO, errno.ENODEV, errno.EREMOTEIO)
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -111,6 +112,13 @@ class DiskGuard:
             ) from exc
         os.close(fd)
         self._held = True
+
+    def what_failed(self, run_dir: Path) -> str:
+        """The subject of the failed-disk line: the disk for the errnos a failing disk gives, else the write (the
+        run stops the same way whatever the errno: an answer bought then could not be kept)."""
+        if self.error is not None and self.error.errno in FAILED_DISK_ERRNOS:
+            return f"the disk holding {run_dir} failed"
+        return f"a write to {run_dir} failed"
 
     def write_failed(self, exc: OSError) -> bool:
         """Report a write to the run directory that failed: from now on nothing is sent, and the reserve is freed

@@ -439,7 +439,7 @@ class _Run:
         else:
             kind = "disk_failed"
             message = (
-                f"the disk holding {self.cfg.run_dir} failed ({guard.error}): no new request is sent; the "
+                f"{guard.what_failed(self.cfg.run_dir)} ({guard.error}): no new request is sent; the "
                 f"{in_flight} still in flight are awaited, then every answer not in a Parquet file is written to "
                 f"{spill_dir(self.cfg)} (endpoint.spill_dir) and the run stops (exit 2)"
             )
@@ -802,7 +802,7 @@ def _disk_full_line(run_dir: Path, guard: DiskGuard, held: int, spilled: Spilled
 def _disk_failed_line(run_dir: Path, guard: DiskGuard, held: int, spilled: Spilled) -> str:
     """The one line of a run whose disk failed: what failed, where the answers went, what to do."""
     return (
-        f"the disk holding {run_dir} failed ({guard.error}): generate stopped sending, waited for the "
+        f"{guard.what_failed(run_dir)} ({guard.error}): generate stopped sending, waited for the "
         f"{guard.in_flight_at_stop} requests in flight then (billed whatever happens), and the {held} answers not "
         f"yet in a Parquet file {_spill_words(spilled)}; once {run_dir} can be written again, rerun: no answered "
         "sample is sent again"

@@ -39,8 +39,9 @@ SEGMENT_GLOBS = (f"{LEDGER_DIR}/ledger-*.log", f"{STAGE}/{JOURNAL_DIR}/journal-*
 
 
 def spill_root(setting: Path | None) -> Path:
-    """`endpoint.spill_dir`, or the default folder in the system's temporary directory."""
-    return setting or Path(tempfile.gettempdir()) / DEFAULT_FOLDER
+    """`endpoint.spill_dir`, or the default folder in the system's temporary directory, one per user (another
+    user's folder there would refuse this one's spill)."""
+    return setting or Path(tempfile.gettempdir()) / f"{DEFAULT_FOLDER}-{os.getuid()}"
 
 
 def spill_folder(run_dir: Path, root: Path) -> Path:
