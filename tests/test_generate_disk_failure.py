@@ -267,3 +267,30 @@ def test_the_line_blames_the_disk_only_for_a_disk_errno(tmp_path: Path) -> None:
     assert full.cause == "full"
     full.write_failed(OSError(errno.EIO, "Input/output error"))
     assert full.cause == "failed" and full.what_failed(tmp_path) == f"the disk holding {tmp_path} failed"
+
+
+def test_after_a_failed_fsync_no_later_fsync_drops_what_it_may_have_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux may mark the pages of a failed fsync clean without writing them, and a later fsync then succeeds: the
+    frames written before the failure must still reach a spill. (The one fault injected here rather than made:
+    a file system whose fsync fails once and then works again cannot be had on a loop device.)"""
+    import errno
+
+    real_fsync = os.fsync
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def fsync_failing_once(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_fsync(fd)
+
+    log = AppendLog(tmp_path / "journal.log", group_commit_s=60, on_write_error=DiskGuard(tmp_path, 0).write_failed)
+    log.write_now({"n": 1})
+    monkeypatch.setattr("tasks.generate.journal.os.fsync", fsync_failing_once)
+    with pytest.raises(OSError):
+        log.flush()
+    log.write_now({"n": 2})
+    log.flush()
+    assert log.spill_to(tmp_path / "spill" / "journal.spill.log") == 2
+    assert list(read_records(tmp_path / "spill" / "journal.spill.log")) == [{"n": 1}, {"n": 2}]

@@ -24,9 +24,10 @@ raised by the next `submit`.
 
 The frames appended since the last fsync that succeeded are kept in memory too: a disk that fails loses them with
 its page cache (a `sent` record among them is a billed request the ledger no longer shows), and after a failed
-fsync the kernel may mark them clean unwritten. A log mirrored to a run store (`keep_until_acknowledged`) keeps
-them until the store has them instead (`acknowledge`): another host never sees this disk, fsynced or not.
-`spill_to` writes them, and every record held or queued, to a segment on another disk (`tasks.generate.spill`).
+fsync the kernel may mark them clean unwritten (so once one fails, no later fsync drops them). A log mirrored to
+a run store (`keep_until_acknowledged`) keeps them until the store has them instead (`acknowledge`): another host
+never sees this disk, fsynced or not. `spill_to` writes them, and every record held or queued, to a segment on
+another disk (`tasks.generate.spill`).
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class AppendLog:
         self.keep_until_acknowledged = keep_until_acknowledged
         self._kept: list[tuple[bytes, int, int]] = []  # (frames, count, end offset) not yet safe elsewhere
         self._kept_bytes = 0
+        self._fsync_failed = False
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._wake = threading.Event()
@@ -283,8 +285,12 @@ class AppendLog:
                 with self._lock:
                     self._dirty = False  # before the fsync: a write racing it stays dirty for the next one
                     synced = self._size
-                os.fsync(self._fd)
-                if not self.keep_until_acknowledged or self._kept_bytes > KEEP_MAX_BYTES:
+                try:
+                    os.fsync(self._fd)
+                except OSError:
+                    self._fsync_failed = True  # its pages may be marked clean unwritten: no later fsync covers them
+                    raise
+                if not self._fsync_failed and (not self.keep_until_acknowledged or self._kept_bytes > KEEP_MAX_BYTES):
                     self.acknowledge(synced)
                 self._last_fsync = time.monotonic()
             self.cpu_s += time.thread_time() - started
