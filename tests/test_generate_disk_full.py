@@ -78,7 +78,7 @@ def ledger_sent(run_dir: Path) -> int:
 
 
 def test_full_disk_keeps_answers_in_flight_and_rerun_buys_each_once(
-    small_disk: Path, tokenizer_dir: Path, tmp_path: Path
+    small_disk: Path, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Another writer fills the disk while 48 requests are in flight: the run stops with one line and exit 2,
     the answers that were in flight are journaled into the freed reserve, and after space is freed the rerun
@@ -139,7 +139,7 @@ def test_full_disk_keeps_answers_in_flight_and_rerun_buys_each_once(
         assert len(billed(sim)) == sent_first, "every request the ledger shows sent was answered and billed"
 
         ballast.unlink()
-        second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        second = run_main(capsys, "generate", str(config), "--no-progress")
         assert second.returncode == 0, second.stdout + second.stderr
         total = json.loads(second.stdout.strip().splitlines()[-1])
         print(f"first run: {sent_first} sent, {in_flight} in flight at the fill, {kept} answers in the journal only")
