@@ -236,7 +236,7 @@ def test_a_failed_disk_on_one_host_costs_the_next_host_nothing(
         time.sleep(0.02)
     dying_disk.die()
     _, err = host_a.communicate(timeout=300)
-    assert host_a.returncode != 0 and "DiskFailedError" in err, err
+    assert host_a.returncode != 0 and "DiskFailedError: the disk holding" in err.strip().splitlines()[-1], err
 
     run_host(str(configs["b"]), url)
     records = billed(sim)[first:]

@@ -69,7 +69,7 @@ class DiskGuard:
         self.size_bytes = size_bytes
         self.error: OSError | None = None
         self.in_flight: Callable[[], int] = lambda: 0
-        """How many requests are in flight now (the engine's window); read once, when the disk fills."""
+        """How many requests are in flight now (the engine's window); read once, when the disk stops."""
         self.in_flight_at_stop = 0
         self._lock = threading.Lock()
         self._held = False

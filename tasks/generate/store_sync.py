@@ -198,7 +198,13 @@ class LogMirror:
         journals: list[str] = []
         for folder, pattern in (LEDGERS, JOURNALS):
             local = self.run_dir / folder
-            for path in sorted(local.glob(pattern)) if local.is_dir() else []:
+            try:
+                paths = sorted(local.glob(pattern)) if local.is_dir() else []
+            except OSError as exc:  # a failed disk, as below
+                self.stats.failures += 1
+                log.warning("could not list %s to mirror it to %s: %s", local, self.store.url, exc)
+                continue
+            for path in paths:
                 key = (folder, path.name)
                 start = self._stored.get(key, 0)
                 try:
