@@ -29,7 +29,7 @@ from flows.exit_codes import ExitCode
 from tasks.common.artifact_store import RunStore
 from tasks.common.shards import done_parts, read_part
 from tasks.generate.disk_guard import DiskGuard
-from tasks.generate.journal import AppendLog, read_records
+from tasks.generate.journal import AppendLog, encode_frame, read_records
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.spill import spill_folder
 from tests.conftest import REPO, run_main
@@ -157,6 +157,17 @@ def test_a_failed_disk_spills_the_answers_in_flight_and_the_rerun_buys_each_once
         rows = [row for ref in done_parts(run_dir, "responses") for row in read_part(ref).to_pylist()]
         assert len(rows) == PROMPTS and {row["status"] for row in rows} == {"done"}
         assert len({row["sample_id"] for row in rows}) == PROMPTS
+
+        # A spill with nothing left to send (the disk failed as the ledger wrote its last records): still taken back.
+        late = {"k": "s", "a": "late:0", "id": rows[0]["sample_id"], "d": "dying", "p": 0, "w": 0.01, "t": time.time()}
+        ended = {"k": "b", "a": "late:0", "o": "answered", "c": 0.002, "g": "gen-late", "r": None}
+        segment = folder / "spend" / "ledger-late.spill.log"
+        segment.parent.mkdir(parents=True)
+        segment.write_bytes(encode_frame(late) + encode_frame(ended))
+        third = run_main(capsys, "generate", str(config), "--no-progress")
+        assert third.returncode == 0 and "took back 1 log segment" in third.stderr, third.stdout + third.stderr
+        after = SpendLedger.load(run_dir).totals()
+        assert (after.attempts, after.billed_usd) == (PROMPTS + 1, pytest.approx(totals.billed_usd + 0.002))
 
 
 def _records_after_death(dying_disk: DyingDisk, write: Callable[[AppendLog], None]) -> tuple[int, list[object]]:
