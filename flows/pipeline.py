@@ -48,7 +48,7 @@ from tasks.generate.endpoints import CompletionMarkers
 from tasks.generate.engine import budget_stop_message, generate_parts, nothing_to_send_summary
 from tasks.generate.progress import Listener
 from tasks.generate.settlement import pending_notice
-from tasks.generate.spill import spill_root, waiting_segments
+from tasks.generate.spill import spill_dir, waiting_segments
 from tasks.generate.store_sync import LogMirror
 from tasks.prepare.datasets import MANIFEST, QUARANTINE, prepare_datasets
 from tasks.prepare.empty_input import require_prompts
@@ -242,7 +242,7 @@ def stage_prepare(cfg: PipelineConfig, store: RunStore | None) -> dict[str, Any]
 
 
 def stage_generate(cfg: PipelineConfig, store: RunStore | None, parts: list[int]) -> dict[str, Any]:
-    spilled = waiting_segments(cfg.run_dir, spill_root(cfg.endpoint.spill_dir))  # generate takes them back
+    spilled = waiting_segments(spill_dir(cfg))  # generate takes them back
     if not generate_todo(cfg, parts) and not spilled:
         get_run_logger().info(
             "generate: nothing to send: every sample of the %d responses parts is done, or failed deterministically "

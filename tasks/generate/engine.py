@@ -1134,11 +1134,12 @@ def _generate_locked(
             writer.close()
             disk.close()
             if on_commit is not None:
-                if disk.stopped and spill_dir(cfg).is_dir():
+                spilled = spill_dir(cfg)
+                if disk.stopped and spilled.is_dir():
                     try:
-                        on_commit.spilled(spill_dir(cfg))
+                        on_commit.spilled(spilled)
                     except Exception as exc:  # the local spill stays, and the error the run ends with is the disk's
-                        log.warning("could not upload the spill folder %s to the run store: %s", spill_dir(cfg), exc)
+                        log.warning("could not upload the spill folder %s to the run store: %s", spilled, exc)
                 on_commit.closed()
             if journal is not None and not disk.stopped and all(not s.buffer for s in pending):
                 journal.path.unlink(missing_ok=True)  # every row is in a chunk or a part

@@ -53,9 +53,8 @@ def spill_dir(cfg: PipelineConfig) -> Path:
     return spill_folder(cfg.run_dir, spill_root(cfg.endpoint.spill_dir))
 
 
-def waiting_segments(run_dir: Path, root: Path) -> list[Path]:
-    """The spilled segments of `run_dir` not taken back yet."""
-    folder = spill_folder(run_dir, root)
+def waiting_segments(folder: Path) -> list[Path]:
+    """The spilled segments in a run directory's spill `folder` not taken back yet."""
     return [path for pattern in SEGMENT_GLOBS for path in sorted(folder.glob(pattern))] if folder.is_dir() else []
 
 
@@ -98,7 +97,7 @@ def take_back(cfg: PipelineConfig) -> TakenBack | None:
     folder = spill_dir(cfg)
     if not folder.is_dir():
         return None
-    segments = waiting_segments(cfg.run_dir, spill_root(cfg.endpoint.spill_dir))
+    segments = waiting_segments(folder)
     moved = 0
     for path in segments:
         data = path.read_bytes()

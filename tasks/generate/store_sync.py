@@ -32,11 +32,10 @@ from tasks.common.shards import fsync_dir, shared_file_mode
 from tasks.generate.chunks import CHUNKS_DIR, JOURNAL_DIR, STAGE
 from tasks.generate.journal import AppendLog, whole_frames_length
 from tasks.generate.ledger import LEDGER_DIR
+from tasks.generate.spill import waiting_segments
 
 LEDGERS = (LEDGER_DIR, "ledger-*.log")
 JOURNALS = (f"{STAGE}/{JOURNAL_DIR}", "journal-*.log")
-SPILLED_LEDGERS = f"{LEDGERS[0]}/ledger-*.spill.log"
-SPILLED_JOURNALS = f"{JOURNALS[0]}/journal-*.spill.log"
 HELD = ".store-journals-held"  # in the run directory: store journals this host has had locally
 
 log = logging.getLogger(__name__)
@@ -148,12 +147,11 @@ class LogMirror:
         """The engine wrote a failed disk's records to the spill `folder` (`tasks.generate.spill`): upload each
         segment as a log of its own, so the next run pulls it into its run directory on whichever host it runs."""
         with self._lock:
-            for remote, pattern in ((LEDGERS[0], SPILLED_LEDGERS), (JOURNALS[0], SPILLED_JOURNALS)):
-                for path in sorted(folder.glob(pattern)):
-                    data = path.read_bytes()
-                    self.store.put_piece(remote, path.name, 0, data)
-                    self._stored[(remote, path.name)] = len(data)
-                    self._mine.setdefault((remote, path.name), []).append((0, len(data)))
+            for path in waiting_segments(folder):
+                remote, data = path.parent.relative_to(folder).as_posix(), path.read_bytes()
+                self.store.put_piece(remote, path.name, 0, data)
+                self._stored[(remote, path.name)] = len(data)
+                self._mine.setdefault((remote, path.name), []).append((0, len(data)))
 
     def close(self) -> None:
         """Stop the pusher after one last push (the run is over, or never started the engine)."""

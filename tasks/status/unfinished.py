@@ -45,12 +45,12 @@ def status_notes(run_dir: Path, spill_dir_setting: Path | None = None) -> list[s
             "(responses/_chunks, or journaled in responses/_journal by a run killed or stopped by a full disk) and "
             "counted as missing until their part finishes; they are kept, and the next run does not buy them again"
         )
-    root = spill_root(spill_dir_setting)
-    spilled = waiting_segments(run_dir, root)
+    folder = spill_folder(run_dir, spill_root(spill_dir_setting))
+    spilled = waiting_segments(folder)
     if spilled:
         lines.append(
             f"spilled: {len(spilled)} log segments with answers and spend records that generate wrote to "
-            f"{spill_folder(run_dir, root)} when this run directory's disk failed wait there (not counted above): "
+            f"{folder} when this run directory's disk failed wait there (not counted above): "
             "the next generate run takes them back before it sends anything"
         )
     return lines
