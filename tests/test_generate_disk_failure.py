@@ -25,7 +25,6 @@ import yaml
 
 from endpoint_sim.responder import SimConfig
 from endpoint_sim.server import SimulatorServer
-from flows.exit_codes import ExitCode
 from tasks.common.artifact_store import RunStore
 from tasks.common.shards import done_parts, read_part
 from tasks.generate.disk_guard import DiskGuard
@@ -33,7 +32,7 @@ from tasks.generate.journal import AppendLog, encode_frame, read_records
 from tasks.generate.ledger import SpendLedger
 from tasks.generate.spill import spill_folder
 from tests.conftest import REPO, run_main
-from tests.test_generate_disk_full import ledger_sent
+from tests.test_generate_disk_full import disk_test_config, ledger_sent, stopped_by_a_disk_fault
 from tests.test_generate_money import billed, check_ledger_against_provider, write_dataset
 
 PROMPTS = 240
@@ -88,46 +87,16 @@ def test_a_failed_disk_spills_the_answers_in_flight_and_the_rerun_buys_each_once
     never answered, and the ledger equals the simulator's bill. Before: an internal error (exit 1), the answers in
     flight bought again by the rerun (209 of 3,000 at 200 in flight), and the billed requests whose `sent` records
     died with the page cache (27) in no ledger, so the directory counted less than the bill."""
-    data = tmp_path / "prompts.jsonl"
+    data = tmp_path / "dying.jsonl"
     write_dataset(data, PROMPTS, tag="dying")
     run_dir = dying_disk.mount / "run"
     spill_root = tmp_path / "spill"
-    config = tmp_path / "config.yaml"
     sim_config = SimConfig(seed=7, latency_lognormal=(math.log(0.4), 0.3), reasoning_words=(20, 60))
     with SimulatorServer(tokenizer_dir, sim_config) as sim:
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "run_dir": str(run_dir),
-                    "samples_per_shard": 100,
-                    "datasets": [{"name": "dying", "path": str(data)}],
-                    "endpoint": {
-                        "base_url": sim.base_url,
-                        "model": "sim/deepseek-v4-sim",
-                        "max_in_flight": IN_FLIGHT,
-                        "commit_every_s": 0.5,
-                        "price_prompt_usd_per_mtok": 0.6,
-                        "price_completion_usd_per_mtok": 2.5,
-                        "max_cost_usd": 5.0,
-                        "spill_dir": str(spill_root),
-                    },
-                    "sampling": {"max_tokens": 512},
-                    "tokenizer": {"path": str(tokenizer_dir)},
-                }
-            )
+        config = disk_test_config(
+            tmp_path / "config.yaml", run_dir, data, sim.base_url, tokenizer_dir, spill_dir=str(spill_root)
         )
-        cmd = [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"]
-        first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 180
-        while ledger_sent(run_dir) < PROMPTS // 4:
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        dying_disk.die()
-        out, err = first.communicate(timeout=300)
-        assert first.returncode == ExitCode.USER, out + err
-        assert "Traceback" not in err, err
-        line = err.strip().splitlines()[-1]
+        line = stopped_by_a_disk_fault(config, run_dir, PROMPTS // 4, dying_disk.die)
         folder = spill_folder(run_dir, spill_root)
         assert line.startswith(f"error: the disk holding {run_dir} failed ([Errno 5] "), line
         found = re.search(r"waited for the (\d+) requests in flight then .* the (\d+) answers not yet in a ", line)

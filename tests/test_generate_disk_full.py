@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,6 +77,51 @@ def ledger_sent(run_dir: Path) -> int:
     )
 
 
+def disk_test_config(
+    path: Path, run_dir: Path, data: Path, base_url: str, tokenizer_dir: Path, **endpoint: object
+) -> Path:
+    """The disk tests' generate config: `IN_FLIGHT` requests, a cap, commits every 0.5 s; `endpoint` adds to it."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": str(run_dir),
+                "samples_per_shard": 100,
+                "datasets": [{"name": data.stem, "path": str(data)}],
+                "endpoint": {
+                    "base_url": base_url,
+                    "model": "sim/deepseek-v4-sim",
+                    "max_in_flight": IN_FLIGHT,
+                    "commit_every_s": 0.5,
+                    "price_prompt_usd_per_mtok": 0.6,
+                    "price_completion_usd_per_mtok": 2.5,
+                    "max_cost_usd": 5.0,
+                    **endpoint,
+                },
+                "sampling": {"max_tokens": 512},
+                "tokenizer": {"path": str(tokenizer_dir)},
+            }
+        )
+    )
+    return path
+
+
+def stopped_by_a_disk_fault(config: Path, run_dir: Path, sent: int, fault: Callable[[], object]) -> str:
+    """`generate` in its own process, `fault()` once the ledger shows `sent` requests sent: the run must end with
+    exit 2 and no traceback. Returns its last stderr line."""
+    cmd = [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while ledger_sent(run_dir) < sent:
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    fault()
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == ExitCode.USER, out + err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
 def test_full_disk_keeps_answers_in_flight_and_rerun_buys_each_once(
     small_disk: Path, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -84,52 +129,25 @@ def test_full_disk_keeps_answers_in_flight_and_rerun_buys_each_once(
     the answers that were in flight are journaled into the freed reserve, and after space is freed the rerun
     sends only what was never answered. Before, the error cancelled the requests in flight: billed, lost, and
     bought again (200 of 3,000 at 200 in flight, measured)."""
-    data = tmp_path / "prompts.jsonl"
+    data = tmp_path / "disk.jsonl"
     write_dataset(data, PROMPTS, tag="disk")
     run_dir = small_disk / "run"
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run_dir": str(run_dir),
-                "samples_per_shard": 100,
-                "datasets": [{"name": "disk", "path": str(data)}],
-                "endpoint": {
-                    "base_url": "",
-                    "model": "sim/deepseek-v4-sim",
-                    "max_in_flight": IN_FLIGHT,
-                    "commit_every_s": 0.5,
-                    "progress_every_s": 0.5,
-                    "price_prompt_usd_per_mtok": 0.6,
-                    "price_completion_usd_per_mtok": 2.5,
-                    "max_cost_usd": 5.0,
-                    "disk_reserve_mib": RESERVE_MIB,
-                },
-                "sampling": {"max_tokens": 512},
-                "tokenizer": {"path": str(tokenizer_dir)},
-            }
-        )
-    )
     sim_config = SimConfig(seed=5, latency_lognormal=(math.log(0.3), 0.3), reasoning_words=(20, 60))
     with SimulatorServer(tokenizer_dir, sim_config) as sim:
-        text = config.read_text().replace("base_url: ''", f"base_url: {sim.base_url}")
-        config.write_text(text)
-        cmd = [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"]
-        first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 180
-        while ledger_sent(run_dir) < PROMPTS // 4:
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        config = disk_test_config(
+            tmp_path / "config.yaml",
+            run_dir,
+            data,
+            sim.base_url,
+            tokenizer_dir,
+            progress_every_s=0.5,
+            disk_reserve_mib=RESERVE_MIB,
+        )
         ballast = small_disk / "hidden-states.bin"
-        fill(ballast)
-        out, err = first.communicate(timeout=300)
-        assert first.returncode == ExitCode.USER, out + err
-        lines = err.strip().splitlines()
-        assert "Traceback" not in err, err
-        assert lines[-1].startswith(f"error: the disk holding {run_dir} filled"), err
-        found = re.search(r"waited for the (\d+) requests in flight then .* kept every answer: the (\d+) ", lines[-1])
-        assert found is not None, lines[-1]
+        line = stopped_by_a_disk_fault(config, run_dir, PROMPTS // 4, lambda: fill(ballast))
+        assert line.startswith(f"error: the disk holding {run_dir} filled"), line
+        found = re.search(r"waited for the (\d+) requests in flight then .* kept every answer: the (\d+) ", line)
+        assert found is not None, line
         in_flight, kept = int(found.group(1)), int(found.group(2))
         assert not (run_dir / RESERVE_NAME).exists(), "the reserve is released when the run ends"
         for segment in [*(run_dir / LEDGER_DIR).glob("*.log"), *(run_dir / "responses").glob("_journal/*.log")]:
@@ -212,61 +230,36 @@ def test_a_disk_without_room_for_the_reserve_buys_nothing(
 
 @pytest.mark.slow  # a second end-to-end run on a real tmpfs: make test-long
 def test_a_full_disk_that_never_makes_room_spills_what_it_holds(
-    small_disk: Path, tokenizer_dir: Path, tmp_path: Path
+    small_disk: Path, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """No reserve and a disk filled to the last byte: the answers in flight cannot be journaled, and once
     `endpoint.outage_abort_s` has passed without room they go to the spill directory instead of being lost (as
     they were: "N could not be written and are lost"); the rerun takes them back and buys each sample once."""
-    data = tmp_path / "prompts.jsonl"
+    data = tmp_path / "noroom.jsonl"
     write_dataset(data, PROMPTS, tag="noroom")
     run_dir = small_disk / "run"
     spill_root = tmp_path / "spill"
     sim_config = SimConfig(seed=9, latency_lognormal=(math.log(0.3), 0.3), reasoning_words=(20, 60))
     with SimulatorServer(tokenizer_dir, sim_config) as sim:
-        config = tmp_path / "config.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "run_dir": str(run_dir),
-                    "samples_per_shard": 100,
-                    "datasets": [{"name": "noroom", "path": str(data)}],
-                    "endpoint": {
-                        "base_url": sim.base_url,
-                        "model": "sim/deepseek-v4-sim",
-                        "max_in_flight": IN_FLIGHT,
-                        "commit_every_s": 0.5,
-                        "price_prompt_usd_per_mtok": 0.6,
-                        "price_completion_usd_per_mtok": 2.5,
-                        "max_cost_usd": 5.0,
-                        "disk_reserve_mib": 0,
-                        "outage_abort_s": 2,
-                        "spill_dir": str(spill_root),
-                    },
-                    "sampling": {"max_tokens": 512},
-                    "tokenizer": {"path": str(tokenizer_dir)},
-                }
-            )
+        config = disk_test_config(
+            tmp_path / "config.yaml",
+            run_dir,
+            data,
+            sim.base_url,
+            tokenizer_dir,
+            disk_reserve_mib=0,
+            outage_abort_s=2,
+            spill_dir=str(spill_root),
         )
-        cmd = [sys.executable, "-m", "flows.cli", "generate", str(config), "--no-progress"]
-        first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 180
-        while ledger_sent(run_dir) < PROMPTS // 4:
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
         ballast = small_disk / "hidden-states.bin"
-        fill(ballast)
-        out, err = first.communicate(timeout=300)
-        assert first.returncode == ExitCode.USER, out + err
-        assert "Traceback" not in err, err
-        line = err.strip().splitlines()[-1]
+        line = stopped_by_a_disk_fault(config, run_dir, PROMPTS // 4, lambda: fill(ballast))
         folder = spill_folder(run_dir, spill_root)
         assert line.startswith(f"error: the disk holding {run_dir} filled"), line
         assert "found no room for them (no space reserved" in line and str(folder) in line, line
         billed_first = len(billed(sim))
 
         ballast.unlink()
-        second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        second = run_main(capsys, "generate", str(config), "--no-progress")
         assert second.returncode == 0, second.stdout + second.stderr
         assert "took back" in second.stderr, second.stderr
         total = json.loads(second.stdout.strip().splitlines()[-1])
